@@ -1,0 +1,273 @@
+"""The process groups one worker uses during one generation of a job.
+
+A generation is one membership epoch: a fixed set of live workers with fresh process
+groups formed on a fresh key prefix of the controller's store. `StageComm` builds the
+groups of one worker -- the world group (point-to-point inside a pipeline, state
+transfer between any two workers) and its stage group (gradient all-reduce across the
+replicas of its stage) -- and tears them down with `close`. Process-group objects are
+constructed directly rather than through ``torch.distributed.init_process_group`` so that
+no global state survives a generation: closing one and forming the next is just dropping
+objects, and a test can run several workers' groups in one process.
+
+[Note: tearing down on failure]
+Gloo wakes a survivor blocked on a dead peer within a fraction of a second ("Connection
+closed by peer"), but it does not wake a survivor blocked on a *live* peer that has given
+up. So a worker that sees a communication error closes its groups at once: dropping the
+last reference to a Gloo group closes its sockets, and every peer still waiting on this
+worker then fails too. The error spreads along the job's communication graph, which is
+connected, so every survivor returns from the failed step within about a second and no
+one waits for a timeout. Timeouts (``timeout``) remain the backstop for hangs, which the
+controller handles by killing the hung worker -- after which the same cascade applies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parallelism.topology import Topology
+
+BACKENDS = ("gloo", "nccl")
+
+# dtype codes for activation metadata headers (see `send_tensor`).
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+)
+_MAX_DIMS = 8
+_HEADER_LEN = 2 + _MAX_DIMS
+
+
+def default_backend() -> str:
+    """``nccl`` when CUDA is available, else ``gloo``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def device_for(backend: str) -> torch.device:
+    """The device a worker computes on for ``backend``.
+
+    Raises:
+        ValueError: for an unknown backend, or ``nccl`` without CUDA.
+    """
+    if backend == "gloo":
+        return torch.device("cpu")
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ValueError("backend 'nccl' needs a CUDA device; use 'gloo' on CPU")
+        # Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES, so device 0 is ours.
+        return torch.device("cuda", 0)
+    raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where and under which key prefix the workers of one generation meet."""
+
+    host: str
+    port: int
+    prefix: str
+    timeout_s: float = 60.0
+
+
+def listen_socket(host: str) -> socket.socket:
+    """A listening TCP socket on ``host`` with a port chosen by the OS (for a store master).
+
+    Binding ourselves keeps the store on ``host`` only (127.0.0.1 for a local job) instead
+    of every interface.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(1024)
+    return sock
+
+
+def host_store(host: str) -> dist.TCPStore:
+    """Start a TCPStore master on ``host`` (the controller hosts it, never a worker).
+
+    The store takes over the listening socket and closes it when it is destroyed.
+    """
+    sock = listen_socket(host)
+    store = dist.TCPStore(
+        host,
+        sock.getsockname()[1],
+        None,
+        True,
+        datetime.timedelta(seconds=60),
+        wait_for_workers=False,
+        master_listen_fd=sock.fileno(),
+        use_libuv=True,
+    )
+    sock.detach()
+    return store
+
+
+# Backend process-group objects (ProcessGroupGloo / ProcessGroupNCCL): their Python stubs do
+# not share a useful base type, so they are typed loosely.
+_Group = Any
+
+
+def _make_group(
+    backend: str,
+    store: dist.Store,
+    rank: int,
+    size: int,
+    bind_host: str,
+    timeout: datetime.timedelta,
+) -> _Group:
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+        return dist.ProcessGroupGloo(store, rank, size, opts)
+    if backend == "nccl":
+        opts_nccl = dist.ProcessGroupNCCL.Options()
+        opts_nccl._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts_nccl)
+    raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+
+
+class StageComm:
+    """One worker's process groups for one generation.
+
+    Args:
+        rendezvous: the controller's store address and this generation's key prefix.
+        topology: the job layout; ``rank`` is this worker's global rank in it.
+        backend: ``gloo`` or ``nccl``.
+        bind_host: the address this worker's transport listens on (its node's IP).
+
+    Raises:
+        RuntimeError: if the group cannot be formed within ``rendezvous.timeout_s``.
+    """
+
+    def __init__(
+        self,
+        rendezvous: Rendezvous,
+        topology: Topology,
+        rank: int,
+        backend: str,
+        bind_host: str,
+    ) -> None:
+        self.topology = topology
+        self.rank = rank
+        self.worker = topology.worker(rank)
+        self.backend = backend
+        self.device = device_for(backend)
+        timeout = datetime.timedelta(seconds=rendezvous.timeout_s)
+        base = dist.TCPStore(rendezvous.host, rendezvous.port, None, False, timeout)
+        self._store: dist.Store | None = dist.PrefixStore(rendezvous.prefix, base)
+        world_store = dist.PrefixStore("world", self._store)
+        self._world: _Group | None = _make_group(
+            backend, world_store, rank, topology.world_size, bind_host, timeout
+        )
+        self._stage: _Group | None = None
+        if topology.replicas > 1:
+            stage_store = dist.PrefixStore(f"stage{self.worker.stage}", self._store)
+            self._stage = _make_group(
+                backend, stage_store, self.worker.replica, topology.replicas, bind_host, timeout
+            )
+        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+
+    # -- point to point (global ranks) ---------------------------------------------------
+
+    @property
+    def world(self) -> _Group:
+        if self._world is None:
+            raise RuntimeError("process group used after close()")
+        return self._world
+
+    def isend(self, tensor: torch.Tensor, dst: int) -> None:
+        """Send ``tensor`` to global rank ``dst`` without waiting; see `wait_sends`."""
+        tensor = tensor.contiguous()
+        self._pending.append((self.world.send([tensor], dst, 0), tensor))
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Receive into ``tensor`` from global rank ``src``, blocking."""
+        self.world.recv([tensor], src, 0).wait()
+        return tensor
+
+    def wait_sends(self) -> None:
+        """Wait until every `isend` so far has completed (their buffers may then be reused)."""
+        pending, self._pending = self._pending, []
+        for work, _ in pending:
+            work.wait()
+
+    def send_tensor(self, tensor: torch.Tensor, dst: int) -> None:
+        """Send a tensor of any shape and dtype, preceded by a small metadata header.
+
+        The receiver needs no prior knowledge of the shape: `recv_tensor` reads the header
+        first. Users never declare activation shapes.
+        """
+        if tensor.dim() > _MAX_DIMS:
+            raise ValueError(f"cannot send a tensor of {tensor.dim()} dims (max {_MAX_DIMS})")
+        if tensor.dtype not in _DTYPES:
+            raise ValueError(f"cannot send dtype {tensor.dtype}; supported: {_DTYPES}")
+        header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+        header[0] = tensor.dim()
+        header[1] = _DTYPES.index(tensor.dtype)
+        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        self.isend(header.to(self.device), dst)
+        self.isend(tensor.detach(), dst)
+
+    def recv_tensor(self, src: int) -> torch.Tensor:
+        """Receive a tensor sent with `send_tensor`."""
+        header = self.recv(torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device), src)
+        meta = header.tolist()
+        ndim, dtype = int(meta[0]), _DTYPES[int(meta[1])]
+        shape = [int(d) for d in meta[2 : 2 + ndim]]
+        return self.recv(torch.empty(shape, dtype=dtype, device=self.device), src)
+
+    # -- collectives -----------------------------------------------------------------------
+
+    def allreduce_stage(self, tensor: torch.Tensor) -> dist.Work | None:
+        """Start a sum all-reduce of ``tensor`` across this stage's replicas (None if alone)."""
+        if self._stage is None:
+            return None
+        return self._stage.allreduce([tensor])
+
+    def broadcast_world(self, tensor: torch.Tensor, root: int) -> None:
+        """Broadcast ``tensor`` from global rank ``root`` to every worker, blocking."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        self.world.broadcast([tensor], opts).wait()
+
+    def barrier(self) -> None:
+        """Block until every worker of the generation reaches this point."""
+        self.world.allreduce([torch.zeros(1, device=self.device)]).wait()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Tear the groups down so that peers blocked on this worker fail fast.
+
+        See [Note: tearing down on failure]. Safe to call more than once.
+        """
+        groups = [g for g in (self._world, self._stage) if g is not None]
+        self._pending = []
+        self._world = None
+        self._stage = None
+        self._store = None
+        for group in groups:
+            # An already-broken group may refuse to abort; dropping it is what counts.
+            with contextlib.suppress(Exception):
+                group.abort()
+        del groups
+        gc.collect()
+
+    @property
+    def closed(self) -> bool:
+        return self._world is None

@@ -1,0 +1,240 @@
+"""Runs one pipeline stage's share of a training step: its schedule, then the gradient all-reduce.
+
+`StageEngine` executes the actions a `Schedule` lists for one stage -- receive, forward,
+send, backward -- on the stage's module, then averages the stage's gradients across the
+replicas of the stage and measures (and optionally clips) their norm. It never steps the
+optimizer: applying a step is the caller's decision (the two-phase step, see
+[Note: two-phase step] in ``recovery/worker.py``). It knows nothing of failures: a
+communication error simply propagates.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from parallelism.comm import StageComm
+from parallelism.schedule import Op, Schedule
+from parallelism.topology import Topology
+
+# Points inside a step at which a caller-supplied hook runs (failure injection uses them).
+BEFORE_FORWARD = "before_forward"
+MID_PIPELINE = "mid_pipeline"
+DURING_ALLREDUCE = "during_allreduce"
+
+Hook = Callable[[str], None]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class StepStats:
+    """What one stage measured during one step."""
+
+    loss_sum: float = 0.0
+    """Sum of the (unscaled) losses of the microbatches this stage ended."""
+    losses: int = 0
+    """How many microbatch losses this stage computed (0 unless it ended some route)."""
+    grad_norm: float = 0.0
+    """L2 norm of the stage's whole gradient after the all-reduce, before clipping."""
+    clipped_grad_norm: float = 0.0
+    """The same norm after clipping (equal to ``grad_norm`` without clipping)."""
+    compute_s: float = 0.0
+    """Seconds spent in forward and backward computation."""
+    schedule_s: float = 0.0
+    """Wall seconds from the first to the last action of the schedule (sends waited)."""
+    allreduce_s: float = 0.0
+    """Wall seconds of the gradient all-reduce."""
+    timeline: list[tuple[str, float, float]] = field(default_factory=list)
+    """(action, start, end) per compute action, seconds since the step began."""
+
+
+def call_stage(
+    module: nn.Module, x: torch.Tensor, *, first: bool, last: bool, natural: bool
+) -> torch.Tensor:
+    """Call a stage module, telling it its route position only when that is not its usual one.
+
+    Plain user modules take one tensor; a module that can stand in for the first or last
+    stage (CheckFree+) accepts ``first=`` / ``last=`` keywords.
+    """
+    if natural:
+        return module(x)
+    return module(x, first=first, last=last)
+
+
+class StageEngine:
+    """Executes one stage's schedule for one replica.
+
+    Args:
+        module: the stage's module (already on ``device``).
+        stage, replica: this worker's coordinates in ``topology``.
+        loss_fn: ``(output, targets) -> scalar`` on the last stage of a route.
+        clip_grad_norm: clip the stage's gradient to this L2 norm after the all-reduce
+            (per stage, as CheckFree's bookkeeping expects), or ``None``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        stage: int,
+        replica: int,
+        topology: Topology,
+        loss_fn: LossFn,
+        device: torch.device,
+        clip_grad_norm: float | None = None,
+    ) -> None:
+        self.module = module
+        self.stage = stage
+        self.replica = replica
+        self.topology = topology
+        self.loss_fn = loss_fn
+        self.device = device
+        self.clip_grad_norm = clip_grad_norm
+        self.params = [p for p in module.parameters() if p.requires_grad]
+
+    def _rank(self, stage: int) -> int:
+        return self.topology.rank(stage, self.replica)
+
+    def run(
+        self,
+        schedule: Schedule,
+        comm: StageComm | None,
+        inputs: Sequence[torch.Tensor],
+        targets: Sequence[torch.Tensor],
+        hook: Hook | None = None,
+    ) -> StepStats:
+        """Run the schedule's actions for this stage, then reduce gradients (if it trains).
+
+        ``inputs[m]`` / ``targets[m]`` are microbatch ``m``'s data; only the stages that
+        start (end) a route read them. Gradients accumulate into ``.grad``; on return they
+        hold the replica-averaged gradient of the mean loss over the global batch.
+
+        Raises:
+            RuntimeError: on a communication error (a peer died), from the backend.
+        """
+        stats = StepStats()
+        hook = hook or (lambda point: None)
+        actions = schedule.for_stage(self.stage)
+        num_mb = schedule.num_microbatches
+        training = schedule.has_backward()
+        received: dict[int, torch.Tensor] = {}
+        stage_in: dict[int, torch.Tensor] = {}
+        stage_out: dict[int, torch.Tensor] = {}
+        grad_out: dict[int, torch.Tensor] = {}
+        t0 = time.perf_counter()
+        hook(BEFORE_FORWARD)
+        mid = len(actions) // 2
+        context = torch.enable_grad() if training else torch.no_grad()
+        with context:
+            for index, action in enumerate(actions):
+                if index == mid:
+                    hook(MID_PIPELINE)
+                m = action.microbatch
+                if action.op is Op.RECV_F:
+                    assert comm is not None and action.peer is not None
+                    received[m] = comm.recv_tensor(self._rank(action.peer))
+                elif action.op is Op.FORWARD:
+                    start = time.perf_counter()
+                    first = schedule.first_stage(m) == self.stage
+                    last = schedule.last_stage(m) == self.stage
+                    natural = first == (self.stage == 0) and last == (
+                        self.stage == self.topology.stages - 1
+                    )
+                    if first:
+                        x = inputs[m].to(self.device, non_blocking=True)
+                    else:
+                        x = received.pop(m)
+                        if training and x.is_floating_point():
+                            x.requires_grad_(True)
+                    out = call_stage(self.module, x, first=first, last=last, natural=natural)
+                    if last:
+                        loss = self.loss_fn(out, targets[m].to(self.device, non_blocking=True))
+                        stats.loss_sum += float(loss.detach())
+                        stats.losses += 1
+                        out = loss / num_mb
+                    stage_in[m], stage_out[m] = x, out
+                    end = time.perf_counter()
+                    stats.compute_s += end - start
+                    stats.timeline.append((str(action), start - t0, end - t0))
+                elif action.op is Op.SEND_F:
+                    assert comm is not None and action.peer is not None
+                    comm.send_tensor(stage_out[m], self._rank(action.peer))
+                    if not training:
+                        stage_out.pop(m)
+                        stage_in.pop(m)
+                elif action.op is Op.RECV_B:
+                    assert comm is not None and action.peer is not None
+                    like = stage_out[m]
+                    grad_out[m] = comm.recv(
+                        torch.empty(like.shape, dtype=like.dtype, device=self.device),
+                        self._rank(action.peer),
+                    )
+                elif action.op is Op.BACKWARD:
+                    start = time.perf_counter()
+                    out = stage_out.pop(m)
+                    if m in grad_out:
+                        out.backward(grad_out.pop(m))
+                    else:
+                        out.backward()
+                    end = time.perf_counter()
+                    stats.compute_s += end - start
+                    stats.timeline.append((str(action), start - t0, end - t0))
+                elif action.op is Op.SEND_B:
+                    assert comm is not None and action.peer is not None
+                    x = stage_in.pop(m)
+                    assert x.grad is not None, f"no input gradient for {action}"
+                    # The receiver knows the shape (its own output's), so no header.
+                    comm.isend(x.grad, self._rank(action.peer))
+                if action.op is Op.BACKWARD and schedule.first_stage(m) == self.stage:
+                    stage_in.pop(m, None)
+            if comm is not None:
+                comm.wait_sends()
+        stats.schedule_s = time.perf_counter() - t0
+        if training:
+            start = time.perf_counter()
+            self._reduce_gradients(comm, hook, stats)
+            stats.allreduce_s = time.perf_counter() - start
+        return stats
+
+    def _reduce_gradients(self, comm: StageComm | None, hook: Hook, stats: StepStats) -> None:
+        for p in self.params:
+            if p.grad is None:  # a parameter unused this step still takes part in the reduction
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        replicas = self.topology.replicas
+        if replicas > 1 and grads:
+            assert comm is not None
+            flat = _flatten_dense_tensors(grads)
+            work = comm.allreduce_stage(flat)
+            hook(DURING_ALLREDUCE)
+            if work is not None:
+                work.wait()
+            flat.div_(replicas)
+            for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+                grad.copy_(reduced)
+        else:
+            hook(DURING_ALLREDUCE)
+        norm, clipped = clip_gradients(self.params, self.clip_grad_norm)
+        stats.grad_norm, stats.clipped_grad_norm = norm, clipped
+
+
+def clip_gradients(params: Sequence[nn.Parameter], max_norm: float | None) -> tuple[float, float]:
+    """The L2 norm of ``params``' gradients, clipped in place to ``max_norm`` if given.
+
+    Returns ``(norm before clipping, norm after)``. The single-process reference trainer
+    calls this too, so both compute the same arithmetic.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0, 0.0
+    if max_norm is None:
+        norm = float(torch.nn.utils.get_total_norm(grads))
+        return norm, norm
+    norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    return norm, min(norm, max_norm) if math.isfinite(norm) else norm

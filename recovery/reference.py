@@ -1,0 +1,79 @@
+"""Plain single-process training of a `TrainSpec`: the oracle and the baseline.
+
+`train_reference` runs the same model (the same stages, built with the same seeds) on the
+same global batch -- every replica's batch of a step, concatenated -- in one process, with
+no pipeline, no microbatches and no communication. Pipeline x data-parallel training must
+reproduce its losses and weights up to float32 rounding; the benchmarks use it as the
+framework-free speed baseline.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from parallelism.engine import call_stage, clip_gradients
+from parallelism.seeding import seed_everything
+from recovery.spec import TrainSpec, apply_lr_schedule
+
+
+@dataclass
+class ReferenceResult:
+    losses: list[float]
+    states: list[dict[str, torch.Tensor]]
+    """Final state_dict of each stage."""
+    step_s: list[float] = field(default_factory=list)
+    grad_norms: list[list[float]] = field(default_factory=list)
+
+    def state(self, stage: int) -> dict[str, torch.Tensor]:
+        return self.states[stage]
+
+
+def train_reference(
+    spec: TrainSpec,
+    *,
+    stages: int,
+    replicas: int,
+    steps: int,
+) -> ReferenceResult:
+    """Train ``spec``'s ``stages`` stages as one model in this process.
+
+    The global batch of a step is ``batches(step, r, replicas)`` for every replica ``r``,
+    concatenated; the loss is its mean (the same objective the pipeline optimises with
+    ``microbatches`` microbatches per replica and the gradient averaged over replicas).
+    """
+    modules = [spec.build(s, stages) for s in range(stages)]
+    optimizers = [spec.make_optimizer(m.parameters()) for m in modules]
+    result = ReferenceResult(losses=[], states=[])
+    for step in range(steps):
+        start = time.perf_counter()
+        batches = [spec.batches(step, r, replicas) for r in range(replicas)]
+        inputs = torch.cat([b[0] for b in batches])
+        targets = torch.cat([b[1] for b in batches])
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        seed_everything(spec.seed, "step", 0, 0, step)
+        x = inputs
+        for s, module in enumerate(modules):
+            x = call_stage(module, x, first=s == 0, last=s == stages - 1, natural=True)
+        loss = spec.loss_fn(x, targets)
+        loss.backward()
+        norms = []
+        for module, opt in zip(modules, optimizers, strict=True):
+            params = [p for p in module.parameters() if p.requires_grad]
+            _, clipped = clip_gradients(params, spec.clip_grad_norm)
+            norms.append(clipped)
+            apply_lr_schedule(opt, spec.lr_schedule, step)
+            opt.step()
+        result.losses.append(float(loss.detach()))
+        result.grad_norms.append(norms)
+        result.step_s.append(time.perf_counter() - start)
+    result.states = [_cpu_state(m) for m in modules]
+    return result
+
+
+def _cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}

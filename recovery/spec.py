@@ -1,0 +1,245 @@
+"""What to train: the user's model, loss, optimizer and data, as plain callbacks.
+
+`TrainSpec` is the contract between a user and the runtime. Every callback runs inside the
+workers (so it must be picklable -- module-level functions, ``functools.partial`` or
+closures over picklable values all work) and must be deterministic: the runtime relies on
+``batches(step, replica, num_replicas)`` returning the same tensors every time it is asked,
+which is what lets a rebuilt worker resume exactly where the lost one stopped.
+`TrainSpec.llama` gives a ready-made workload: a LLaMA-style decoder on real text.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from parallelism.schedule import SCHEDULES
+from parallelism.seeding import seed_everything
+from parallelism.topology import Topology
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+BatchFn = Callable[[int, int, int], Batch]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSpec:
+    """A training job's model, loss, optimizer and data.
+
+    Raises:
+        ValueError: for a non-callable callback, ``microbatches < 1``, an unknown
+            schedule or a non-positive ``clip_grad_norm``.
+    """
+
+    build_stage: Callable[[int, int], nn.Module]
+    """``(stage, num_stages) -> nn.Module``: the module of one pipeline stage. Called with
+    torch's RNG seeded from ``(seed, stage)``, so every replica of a stage starts equal."""
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """``(last-stage output, targets) -> scalar``, the mean loss over a microbatch."""
+    make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+    """``(parameters) -> optimizer`` for one stage."""
+    batches: BatchFn
+    """``(step, replica, num_replicas) -> (inputs, targets)``: a replica's batch for a step,
+    split along dim 0 into ``microbatches`` equal microbatches. Must be deterministic."""
+    microbatches: int = 4
+    """Microbatches per replica per step."""
+    seed: int = 0
+    """Seeds the initial weights and all per-step randomness."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: ``"1f1b"`` or ``"gpipe"``."""
+    clip_grad_norm: float | None = None
+    """Clip each stage's gradient (after the data-parallel all-reduce) to this L2 norm."""
+    lr_schedule: Callable[[int], float] | None = None
+    """``step -> multiplier`` of each parameter group's initial learning rate."""
+    val_batches: BatchFn | None = None
+    """``(index, replica, num_replicas) -> (inputs, targets)`` of held-out data, if any."""
+    check_stages: Callable[[int], object] | None = None
+    """``num_stages -> anything``, run on the driver before any worker starts; raises
+    ``ValueError`` if the model cannot be cut into that many stages."""
+    name: str = "custom"
+    """A short name for logs and summaries."""
+
+    def __post_init__(self) -> None:
+        for name in ("build_stage", "loss_fn", "make_optimizer", "batches"):
+            if not callable(getattr(self, name)):
+                raise ValueError(f"TrainSpec.{name} must be callable, got {getattr(self, name)!r}")
+        for name in ("lr_schedule", "val_batches", "check_stages"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise ValueError(f"TrainSpec.{name} must be callable or None, got {value!r}")
+        if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int):
+            raise ValueError(f"microbatches must be an integer, got {self.microbatches!r}")
+        if self.microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"unknown schedule {self.schedule!r}; choose one of {sorted(SCHEDULES)}"
+            )
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm must be positive or None, got {self.clip_grad_norm}")
+
+    # -- used by workers and by the single-process reference ------------------------------
+
+    def build(self, stage: int, num_stages: int) -> nn.Module:
+        """Build stage ``stage``'s module with the stage's deterministic initial weights.
+
+        Raises:
+            ValueError: if ``build_stage`` does not return an ``nn.Module``.
+        """
+        seed_everything(self.seed, "init", stage)
+        module = self.build_stage(stage, num_stages)
+        if not isinstance(module, nn.Module):
+            raise ValueError(
+                f"build_stage({stage}, {num_stages}) returned {type(module).__name__}, not nn.Module"
+            )
+        return module
+
+    def split(
+        self, batch: Batch, *, step: int, replica: int
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Split a replica's batch into ``microbatches`` (inputs, targets) chunks.
+
+        Raises:
+            ValueError: if the batch is not a pair of tensors with equal, divisible dim 0.
+        """
+        where = f"batch of step {step}, replica {replica}"
+        if not (isinstance(batch, tuple | list) and len(batch) == 2):
+            raise ValueError(
+                f"{where}: batches() must return (inputs, targets), got {type(batch).__name__}"
+            )
+        inputs, targets = batch
+        if not (isinstance(inputs, torch.Tensor) and isinstance(targets, torch.Tensor)):
+            raise ValueError(f"{where}: inputs and targets must be tensors")
+        if inputs.dim() == 0 or targets.dim() == 0 or inputs.shape[0] != targets.shape[0]:
+            raise ValueError(
+                f"{where}: inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} "
+                "must share a non-empty batch dimension 0"
+            )
+        if inputs.shape[0] % self.microbatches:
+            raise ValueError(
+                f"{where}: {self.microbatches} microbatches do not divide the batch of "
+                f"{inputs.shape[0]} samples; pick a batch size that is a multiple of microbatches"
+            )
+        return list(inputs.chunk(self.microbatches)), list(targets.chunk(self.microbatches))
+
+    def check(self, topology: Topology) -> int:
+        """Validate the spec against ``topology`` on the driver, before any worker starts.
+
+        Returns the number of target elements per step over all replicas (tokens per step
+        for a language model).
+
+        Raises:
+            ValueError: if the model cannot be cut into ``topology.stages`` stages or a
+                batch cannot be split into the microbatches.
+        """
+        if self.check_stages is not None:
+            self.check_stages(topology.stages)
+        inputs, targets = self.batches(0, 0, topology.replicas)
+        self.split((inputs, targets), step=0, replica=0)
+        if self.val_batches is not None:
+            self.split(self.val_batches(0, 0, topology.replicas), step=0, replica=0)
+        return int(targets.numel()) * topology.replicas
+
+    # -- a ready-made workload -----------------------------------------------------------
+
+    @classmethod
+    def llama(
+        cls,
+        *,
+        preset: str = "tiny",
+        data: str | os.PathLike[str] | None = None,
+        seq_len: int | None = None,
+        microbatch_size: int = 4,
+        microbatches: int = 4,
+        lr: float = 3e-3,
+        warmup_steps: int = 20,
+        weight_decay: float = 0.1,
+        clip_grad_norm: float | None = 1.0,
+        schedule: str = "1f1b",
+        seed: int = 0,
+        max_bytes: int = 8_000_000,
+        **config_overrides: int | float,
+    ) -> TrainSpec:
+        """A LLaMA-style decoder trained on byte-level text.
+
+        Args:
+            preset: model size, ``"tiny"`` (tests), ``"small"`` (~25M parameters), ...
+            data: a text, ``.bin`` (uint16 tokens) or ``.npy`` file, or a directory of
+                ``.txt`` files; by default the Python standard library's source code.
+            seq_len: tokens per sample (default: the preset's ``max_seq_len``).
+            microbatch_size, microbatches: samples per microbatch, microbatches per replica.
+            lr, warmup_steps, weight_decay: AdamW with linear warmup then constant rate.
+            config_overrides: fields of `LlamaConfig` to change (``dim=``, ``n_layers=``...).
+
+        Raises:
+            ValueError: for an unknown preset, a bad size, or a missing data file.
+        """
+        from parallelism.data import LMBatches, TokenCorpus
+        from parallelism.llama import LlamaConfig, build_llama_stage, llama_loss, partition_layers
+
+        if data is None:
+            corpus = TokenCorpus.stdlib(max_bytes=max_bytes)
+        else:
+            corpus = TokenCorpus.from_path(data)
+        config = LlamaConfig.preset(preset, vocab_size=corpus.vocab_size, **config_overrides)
+        seq = config.max_seq_len if seq_len is None else seq_len
+        if seq > config.max_seq_len:
+            raise ValueError(f"seq_len {seq} exceeds the model's max_seq_len {config.max_seq_len}")
+        data_fn = LMBatches(
+            corpus,
+            seq_len=seq,
+            microbatch_size=microbatch_size,
+            microbatches=microbatches,
+            seed=seed,
+        )
+        return cls(
+            build_stage=functools.partial(build_llama_stage, config),
+            loss_fn=llama_loss,
+            make_optimizer=functools.partial(adamw, lr=lr, weight_decay=weight_decay),
+            batches=data_fn,
+            val_batches=data_fn.validation,
+            microbatches=microbatches,
+            seed=seed,
+            schedule=schedule,
+            clip_grad_norm=clip_grad_norm,
+            lr_schedule=functools.partial(linear_warmup, warmup_steps=warmup_steps),
+            check_stages=functools.partial(partition_layers, config),
+            name=f"llama-{preset}",
+        )
+
+
+def adamw(
+    params: Iterable[nn.Parameter], *, lr: float, weight_decay: float
+) -> torch.optim.Optimizer:
+    """AdamW as LLaMA-style models train with it (betas 0.9/0.95)."""
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+
+
+def linear_warmup(step: int, *, warmup_steps: int) -> float:
+    """Learning-rate multiplier: linear warmup over ``warmup_steps``, then 1."""
+    if warmup_steps <= 0:
+        return 1.0
+    return min(1.0, (step + 1) / warmup_steps)
+
+
+def apply_lr_schedule(
+    optimizer: torch.optim.Optimizer, schedule: Callable[[int], float] | None, step: int
+) -> None:
+    """Set every group's learning rate to its initial rate times ``schedule(step)``.
+
+    Raises:
+        ValueError: if the schedule returns a negative or non-finite multiplier.
+    """
+    if schedule is None:
+        return
+    multiplier = float(schedule(step))
+    if not (math.isfinite(multiplier) and multiplier >= 0):
+        raise ValueError(f"lr_schedule({step}) returned {multiplier}; expected a finite value >= 0")
+    for group in optimizer.param_groups:
+        group.setdefault("initial_lr", group["lr"])
+        group["lr"] = group["initial_lr"] * multiplier

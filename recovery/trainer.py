@@ -1,0 +1,229 @@
+"""The public entry point: `Trainer(spec, topology=...).fit(steps)` -> `FitResult`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from parallelism.comm import BACKENDS, default_backend
+from parallelism.topology import Topology
+from recovery.controller import Controller, ControllerConfig, StepRecord
+from recovery.plots import plot_loss
+from recovery.rundir import RunDir
+from recovery.spec import TrainSpec
+
+
+@dataclass
+class FitResult:
+    """What `Trainer.fit` returns."""
+
+    losses: list[float]
+    """Training loss of every committed step, in order."""
+    metrics: list[dict[str, Any]]
+    """One record per committed step (loss, time, step_s, tokens_per_s, grad norms...)."""
+    events: list[Any]
+    """Every failure and recovery, as `RecoveryEvent`s."""
+    wall_s: float
+    """Seconds from the first step to the last commit (startup excluded)."""
+    startup_s: float
+    """Seconds to start and set up the workers and form the first generation."""
+    run_dir: Path | None = None
+    states: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict, repr=False)
+
+    @property
+    def val_losses(self) -> list[tuple[int, float]]:
+        """(step, validation loss) at every evaluation."""
+        return [
+            (m["step"] + 1, m["val_loss"]) for m in self.metrics if m.get("val_loss") is not None
+        ]
+
+    @property
+    def steps_per_s(self) -> float:
+        return len(self.losses) / self.wall_s if self.wall_s > 0 else math.nan
+
+    def state(self, stage: int, replica: int) -> dict[str, torch.Tensor]:
+        """The final model state_dict of worker ``(stage, replica)``.
+
+        Raises:
+            KeyError: if states were not collected (``Trainer(collect_states=False)``).
+        """
+        return self.states[(stage, replica)]["model"]
+
+    def optimizer_state(self, stage: int, replica: int) -> dict[str, Any]:
+        """The final optimizer state_dict of worker ``(stage, replica)``."""
+        return self.states[(stage, replica)]["optimizer"]
+
+
+class Trainer:
+    """Trains ``spec`` on Ray workers laid out as ``topology``.
+
+    Args:
+        spec: the model, loss, optimizer and data.
+        topology: ``Topology(stages, replicas)``.
+        backend: ``"gloo"`` or ``"nccl"``; default: ``nccl`` if CUDA is available.
+        run_dir: a folder for metrics, events, summary and plot (created); None: none.
+        progress: show a progress bar.
+        eval_every: evaluate held-out loss every this many steps (0: never).
+        eval_batches: held-out batches per evaluation.
+        threads_per_worker: torch intra-op threads per worker.
+        collect_states: fetch every worker's final state into the result.
+        step_timeout_s: a step taking longer than this counts as a hang.
+
+    Raises:
+        ValueError: for a bad argument; raised here, before anything starts.
+    """
+
+    def __init__(
+        self,
+        spec: TrainSpec,
+        *,
+        topology: Topology,
+        backend: str | None = None,
+        run_dir: str | os.PathLike[str] | None = None,
+        progress: bool = False,
+        eval_every: int = 0,
+        eval_batches: int = 1,
+        threads_per_worker: int = 1,
+        collect_states: bool = True,
+        step_timeout_s: float = 300.0,
+    ) -> None:
+        if not isinstance(spec, TrainSpec):
+            raise ValueError(f"spec must be a TrainSpec, got {type(spec).__name__}")
+        if not isinstance(topology, Topology):
+            raise ValueError(f"topology must be a Topology, got {type(topology).__name__}")
+        backend = backend or default_backend()
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+        for name, value in (("eval_every", eval_every), ("eval_batches", eval_batches)):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if threads_per_worker < 1:
+            raise ValueError(f"threads_per_worker must be >= 1, got {threads_per_worker}")
+        if not step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be positive, got {step_timeout_s}")
+        self.spec = spec
+        self.topology = topology
+        self.backend = backend
+        self.run_dir = RunDir(run_dir) if run_dir is not None else None
+        self.progress = progress
+        self.collect_states = collect_states
+        self.config = ControllerConfig(
+            backend=backend,
+            threads_per_worker=threads_per_worker,
+            eval_every=eval_every,
+            eval_batches=max(1, eval_batches),
+            step_timeout_s=step_timeout_s,
+        )
+
+    def fit(self, steps: int) -> FitResult:
+        """Train for ``steps`` committed steps and return losses, events and final states.
+
+        Raises:
+            ValueError: for a bad spec/topology combination, before any worker starts.
+            RecoveryError: if a failure could not be recovered.
+        """
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be a positive integer, got {steps!r}")
+        bar = _ProgressBar(steps, enabled=self.progress)
+        run_dir = self.run_dir
+
+        def on_step(record: StepRecord) -> None:
+            bar.update(record)
+            if run_dir is not None:
+                run_dir.append("metrics.jsonl", record.to_dict())
+
+        controller = Controller(self.spec, self.topology, self.config, on_step=on_step)
+        if run_dir is not None:
+            run_dir.write_json("config.json", self._describe(steps))
+        t0 = time.perf_counter()
+        try:
+            controller.start()
+            startup_s = time.perf_counter() - t0
+            controller.run(steps)
+            wall_s = time.perf_counter() - controller.started_at
+            states = controller.states() if self.collect_states else {}
+        finally:
+            bar.close()
+            controller.shutdown()
+        metrics = [r.to_dict() for r in controller.records]
+        result = FitResult(
+            losses=[r.loss for r in controller.records],
+            metrics=metrics,
+            events=[],
+            wall_s=wall_s,
+            startup_s=startup_s,
+            run_dir=run_dir.path if run_dir else None,
+            states=states,
+        )
+        if run_dir is not None:
+            run_dir.write_json("summary.json", self._summary(result))
+            plot_loss(metrics, [], run_dir.file("loss.png"), title=self._title())
+        return result
+
+    def _title(self) -> str:
+        return (
+            f"{self.spec.name}, {self.topology.stages} stages x {self.topology.replicas} replicas"
+        )
+
+    def _describe(self, steps: int) -> dict[str, Any]:
+        return {
+            "spec": {
+                f.name: (
+                    getattr(self.spec, f.name)
+                    if isinstance(getattr(self.spec, f.name), int | float | str | None)
+                    else repr(getattr(self.spec, f.name))
+                )
+                for f in dataclasses.fields(self.spec)
+            },
+            "topology": {"stages": self.topology.stages, "replicas": self.topology.replicas},
+            "backend": self.backend,
+            "steps": steps,
+        }
+
+    def _summary(self, result: FitResult) -> dict[str, Any]:
+        tail = result.losses[-10:]
+        return {
+            "steps": len(result.losses),
+            "final_loss": tail[-1] if tail else None,
+            "mean_loss_last_10": sum(tail) / len(tail) if tail else None,
+            "val_losses": result.val_losses,
+            "wall_s": result.wall_s,
+            "startup_s": result.startup_s,
+            "steps_per_s": result.steps_per_s,
+            "tokens_per_s": (
+                sum(m["tokens_per_s"] for m in result.metrics) / len(result.metrics)
+                if result.metrics
+                else None
+            ),
+            "events": len(result.events),
+        }
+
+
+class _ProgressBar:
+    """A tqdm bar showing loss and steps/s (a no-op when disabled)."""
+
+    def __init__(self, total: int, *, enabled: bool) -> None:
+        self._bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, unit="step", dynamic_ncols=True)
+
+    def update(self, record: StepRecord) -> None:
+        if self._bar is not None:
+            postfix = {"loss": f"{record.loss:.3f}", "tok/s": f"{record.tokens_per_s:,.0f}"}
+            if record.val_loss is not None:
+                postfix["val"] = f"{record.val_loss:.3f}"
+            self._bar.set_postfix(postfix, refresh=False)
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

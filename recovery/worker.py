@@ -1,0 +1,246 @@
+"""The worker: one pipeline stage of one replica, run as a Ray actor.
+
+`StageWorker` is a plain class (the controller wraps it with ``ray.remote``; tests may call
+it directly). It holds the stage's module and optimizer, joins and leaves generations,
+runs the stage's share of each step, and applies a step only when told to commit.
+
+[Note: two-phase step]
+A step runs in two phases. ``run_step(step)`` runs the microbatch schedule and the
+gradient all-reduce and reports "ready" with the loss and gradient norm; nothing is applied.
+Only when every live worker is ready does the controller call ``commit(step)``, and each
+worker then applies its optimizer step. A failure before the commit abandons the step
+everywhere (gradients are dropped), and after recovery the same step is run again on the
+same data -- ``batches`` is a pure function of the step -- so no committed step is lost and
+none is applied twice. A worker's step counter is the number of steps it has committed; it
+is also its data cursor.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+from parallelism.comm import Rendezvous, StageComm, device_for
+from parallelism.engine import StageEngine, StepStats
+from parallelism.schedule import Schedule, build_schedule, forward_only
+from parallelism.seeding import seed_everything
+from parallelism.topology import Topology
+from recovery.spec import BatchFn, TrainSpec, apply_lr_schedule
+
+# Substrings by which a backend error reveals a dead or departed peer, as opposed to a
+# bug in user code (which must stop the job, not trigger recovery).
+_COMM_ERROR_MARKERS = (
+    "gloo",
+    "nccl",
+    "connection",
+    "timed out",
+    "timeout",
+    "process group used after close",
+    "broken pipe",
+)
+
+
+def is_comm_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a communication failure (a peer died) rather than a user error."""
+    text = f"{type(exc).__name__}: {exc}".lower()
+    return isinstance(exc, RuntimeError | ConnectionError | OSError) and any(
+        marker in text for marker in _COMM_ERROR_MARKERS
+    )
+
+
+@dataclass
+class StepReport:
+    """A worker's answer to ``run_step``: ready (``ok``) with its measurements, or failed."""
+
+    rank: int
+    step: int
+    ok: bool
+    stats: StepStats = field(default_factory=StepStats)
+    error: str = ""
+    """For a failed step: the communication error the worker saw."""
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """Where a worker process runs."""
+
+    pid: int
+    node_id: str
+    host: str
+
+
+class StageWorker:
+    """One stage of one pipeline replica. See [Note: two-phase step].
+
+    Args:
+        threads: intra-op threads for torch (set explicitly: several workers share a node).
+    """
+
+    def __init__(self, threads: int = 1) -> None:
+        torch.set_num_threads(threads)
+        self.spec: TrainSpec | None = None
+        self.comm: StageComm | None = None
+        self.generation = -1
+        self.step = 0
+
+    # -- identity ------------------------------------------------------------------------
+
+    def info(self) -> WorkerInfo:
+        node_id = ""
+        host = "127.0.0.1"
+        try:
+            import ray
+
+            if ray.is_initialized():
+                ctx = ray.get_runtime_context()
+                node_id = ctx.get_node_id()
+                host = ray.util.get_node_ip_address()
+        except Exception:  # outside Ray (tests calling the class directly)
+            host = socket.gethostbyname("localhost")
+        return WorkerInfo(pid=os.getpid(), node_id=node_id, host=host)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def setup(self, spec: TrainSpec, topology: Topology, rank: int, backend: str) -> float:
+        """Build the stage module and optimizer at their initial state. Returns seconds taken."""
+        start = time.perf_counter()
+        self.spec = spec
+        self.topology = topology
+        self.rank = rank
+        coords = topology.worker(rank)
+        self.stage, self.replica = coords.stage, coords.replica
+        self.backend = backend
+        self.device = device_for(backend)
+        self.module = spec.build(self.stage, topology.stages).to(self.device)
+        self.optimizer = spec.make_optimizer(self.module.parameters())
+        self.schedule = build_schedule(spec.schedule, topology.stages, spec.microbatches)
+        self.eval_schedule = forward_only(topology.stages, spec.microbatches)
+        self.engine = StageEngine(
+            self.module,
+            stage=self.stage,
+            replica=self.replica,
+            topology=topology,
+            loss_fn=spec.loss_fn,
+            device=self.device,
+            clip_grad_norm=spec.clip_grad_norm,
+        )
+        self.step = 0
+        return time.perf_counter() - start
+
+    def join(self, generation: int, rendezvous: Rendezvous, bind_host: str) -> float:
+        """Form this generation's process groups. Returns seconds taken."""
+        start = time.perf_counter()
+        self.leave()
+        self.comm = StageComm(rendezvous, self.topology, self.rank, self.backend, bind_host)
+        self.generation = generation
+        return time.perf_counter() - start
+
+    def leave(self) -> None:
+        """Tear down the current generation's process groups (idempotent)."""
+        if self.comm is not None:
+            self.comm.close()
+            self.comm = None
+
+    # -- the two phases ------------------------------------------------------------------
+
+    def run_step(self, step: int) -> StepReport:
+        """Phase one: forward, backward and gradient all-reduce of ``step``; apply nothing.
+
+        Returns a failed report (and tears down this generation) on a communication error.
+
+        Raises:
+            RuntimeError: if ``step`` is not this worker's next step.
+            Exception: whatever user code raised (model, loss, data), after tearing down.
+        """
+        assert self.spec is not None, "setup() first"
+        if step != self.step:
+            raise RuntimeError(
+                f"worker {self.rank} is at step {self.step}, asked to run step {step}"
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        seed_everything(self.spec.seed, "step", self.stage, self.replica, step)
+        inputs, targets = self._data(self.spec.batches, step, self.schedule)
+        try:
+            stats = self.engine.run(self.schedule, self.comm, inputs, targets, self._hook)
+        except Exception as exc:
+            return self._failed(step, exc)
+        return StepReport(rank=self.rank, step=step, ok=True, stats=stats)
+
+    def commit(self, step: int) -> int:
+        """Phase two: apply ``step``'s optimizer update. Returns the new step counter.
+
+        Raises:
+            RuntimeError: if ``step`` is not the step this worker just ran.
+        """
+        assert self.spec is not None, "setup() first"
+        if step != self.step:
+            raise RuntimeError(f"worker {self.rank} is at step {self.step}, asked to commit {step}")
+        apply_lr_schedule(self.optimizer, self.spec.lr_schedule, step)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step = step + 1
+        return self.step
+
+    def abandon(self, step: int) -> None:
+        """Drop the uncommitted gradients of ``step`` (it will be run again)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def evaluate(self, index: int) -> StepReport:
+        """Forward-only pass over held-out batch ``index``; losses reported by last stages."""
+        assert self.spec is not None and self.spec.val_batches is not None
+        inputs, targets = self._data(self.spec.val_batches, index, self.eval_schedule)
+        try:
+            stats = self.engine.run(self.eval_schedule, self.comm, inputs, targets)
+        except Exception as exc:
+            return self._failed(self.step, exc)
+        return StepReport(rank=self.rank, step=self.step, ok=True, stats=stats)
+
+    # -- state ---------------------------------------------------------------------------
+
+    def state(self) -> dict[str, object]:
+        """The worker's full state, on CPU: weights, optimizer state and step."""
+        return {
+            "model": {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()},
+            "optimizer": _to_cpu(self.optimizer.state_dict()),
+            "step": self.step,
+        }
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _data(
+        self, fn: BatchFn, index: int, schedule: Schedule
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        assert self.spec is not None
+        ends = {schedule.first_stage(m) for m in range(schedule.num_microbatches)}
+        ends |= {schedule.last_stage(m) for m in range(schedule.num_microbatches)}
+        if self.stage not in ends:  # a middle stage never touches data
+            return [], []
+        batch = fn(index, self.replica, self.topology.replicas)
+        return self.spec.split(batch, step=index, replica=self.replica)
+
+    def _failed(self, step: int, exc: Exception) -> StepReport:
+        # Tear down first so that peers blocked on us fail fast (see parallelism/comm.py).
+        self.leave()
+        self.optimizer.zero_grad(set_to_none=True)
+        if not is_comm_error(exc):
+            raise exc
+        detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        return StepReport(rank=self.rank, step=step, ok=False, error=detail)
+
+    def _hook(self, point: str) -> None:
+        """Called by the engine at named points inside a step (failure injection uses it)."""
+
+
+def _to_cpu(obj: object) -> object:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj

@@ -1,0 +1,251 @@
+"""What recovery costs: the measured (or assumed) times and sizes the cluster simulator uses.
+
+:class:`CostModel` holds one number per cost a recovery strategy pays -- detection,
+replacement, state transfer, checkpoint writes and loads, the step time, the convergence
+penalty of an approximate recovery. The defaults describe a Llama-3-405B-like job on H100
+nodes; they are order-of-magnitude assumptions, each stated under its field, until
+``scripts/bench.py`` measures them and writes a calibration file that
+:meth:`CostModel.from_json` reads. The module also holds the checkpoint theory the
+simulator is validated against: Young's and Daly's optimal intervals and the expected
+fraction of wall time that checkpoint-restart wastes (see RESEARCH.md, "Failure rates and
+checkpoint theory").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CostModel",
+    "daly_interval",
+    "daly_waste",
+    "young_interval",
+    "young_waste",
+]
+
+# A Llama-3-405B-like model: 405e9 parameters; training state per parameter = bf16 weight
+# (2 B) + bf16 gradient (2 B) + fp32 master weight and two Adam moments (12 B) = 16 B.
+_PARAMS_405B = 405e9
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostModel:
+    """The costs of failure and recovery for one model on one kind of hardware.
+
+    Every time is in seconds of wall-clock time as the *whole job* sees it (a recovery
+    stalls every worker, see ``[Note: simulator model]`` in :mod:`simulations.cluster`).
+    A calibration file written by ``scripts/bench.py`` sets any subset of the fields; the
+    others keep the defaults below.
+
+    Raises:
+        ValueError: if a field is negative, not finite where it must be, or of the wrong
+            type (the message names the field and the value).
+    """
+
+    detect_s: float = 10.0
+    """From a worker's death to the controller acting on it: transport error or missed
+    heartbeat. torchft's default 5 s heartbeat gives ~5 s (RESEARCH.md); a hung NCCL
+    collective without a watchdog can take minutes."""
+
+    replace_s: float = 120.0
+    """Cold start of one replacement worker: schedule a spare node, start the container
+    and Python, import torch, initialise CUDA. Measured ~3 s for a bare process on a
+    small machine (RESEARCH.md); 120 s is an assumption for a scheduled spare node."""
+
+    replace_warm_s: float = 10.0
+    """A warm spare (process already running, CUDA initialised) joining the job."""
+
+    reform_s: float = 15.0
+    """Forming the new generation: fresh process groups on every worker."""
+
+    restart_s: float = 300.0
+    """Tear-down and restart of the whole job (every worker), excluding the checkpoint
+    load: what torchrun / Ray Train restart costs at scale. FlashRecovery reports 150 s
+    for an optimised 4,800-device restore (RESEARCH.md); 300 s is an assumption."""
+
+    step_s: float = 6.0
+    """One optimizer step of the job: 6 x 405e9 x 16M tokens / (16,384 GPUs x 400 TFLOP/s)."""
+
+    model_state_bytes: float = 16.0 * _PARAMS_405B
+    """Training state of one pipeline replica (weights, gradients, optimizer state) in
+    bytes; a worker holds ``1 / (pp * tp)`` of it per GPU. A replica copy moves this."""
+
+    model_weight_bytes: float = 2.0 * _PARAMS_405B
+    """Weights only (bf16) of one pipeline replica; neighbour averaging reads the two
+    neighbours' weights, not their optimizer state (the rebuilt stage starts a fresh
+    optimizer)."""
+
+    transfer_bytes_per_s: float = 25e9
+    """Worker-to-worker bandwidth per GPU (200 Gb/s); each GPU of a worker receives its
+    shard in parallel. May be ``inf`` (free transfer)."""
+
+    checkpoint_write_s: float = 60.0
+    """Blocking time of one durable checkpoint (the ``C`` of Young/Daly); asynchronous
+    checkpointing makes it the time to copy state off the GPU. An assumption."""
+
+    checkpoint_load_s: float = 120.0
+    """Loading the durable checkpoint into every worker after a restart. An assumption."""
+
+    snapshot_write_s: float = 2.0
+    """Blocking time of one in-memory snapshot (GPU to host memory, then to a peer in the
+    background, as Gemini does)."""
+
+    snapshot_load_s: float = 10.0
+    """Restoring every worker from its host-memory (or peer) snapshot."""
+
+    approx_penalty_steps: float = 50.0
+    """Convergence penalty of one approximate recovery (CheckFree neighbour averaging or
+    CheckFree+ edge copy), in optimizer steps of training progress lost. Read off the
+    CheckFree paper (RESEARCH.md): it converged at least as fast as checkpointing every
+    10-100 steps, and a rollback to a checkpoint taken every 100 steps loses 50 steps on
+    average, so 50 is an upper-end default. The real value depends on the model, the
+    number of stages and the learning-rate schedule: calibrate it."""
+
+    pls_penalty_scale: float = 1.0
+    """CPR partial recovery: training progress lost per second of staleness of the
+    restored shard, per unit share of the model the shard holds (the PLS proxy: a shard
+    with share f restored ``a`` seconds stale costs ``scale * f * a`` seconds)."""
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"CostModel.{field.name} must be a number, got {value!r}")
+            if math.isnan(value) or value < 0:
+                raise ValueError(f"CostModel.{field.name} must be >= 0, got {value!r}")
+            if math.isinf(value) and field.name != "transfer_bytes_per_s":
+                raise ValueError(f"CostModel.{field.name} must be finite, got {value!r}")
+        if self.transfer_bytes_per_s == 0:
+            raise ValueError("CostModel.transfer_bytes_per_s must be > 0 (inf for free transfer)")
+
+    @classmethod
+    def zero(cls) -> CostModel:
+        """Every recovery free and instantaneous: the simulator must report goodput 1."""
+        fields = {f.name: 0.0 for f in dataclasses.fields(cls)}
+        fields["transfer_bytes_per_s"] = math.inf
+        return cls(**fields)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CostModel:
+        """Build from a mapping of field names to numbers; absent fields keep defaults.
+
+        Keys starting with ``_`` are metadata (provenance, units) and are ignored.
+
+        Raises:
+            ValueError: on an unknown field or a bad value.
+        """
+        if not isinstance(data, dict):
+            raise ValueError(f"a cost model must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if not str(k).startswith("_")}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown CostModel field(s) {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> CostModel:
+        """Read a calibration file written by ``scripts/bench.py`` (or :meth:`to_json`).
+
+        Raises:
+            ValueError: if the file cannot be read, is not JSON, or holds a bad field.
+        """
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"cannot read calibration file {path}: {err}") from err
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"calibration file {path} is not valid JSON: {err}") from err
+        try:
+            return cls.from_dict(data)
+        except ValueError as err:
+            raise ValueError(f"calibration file {path}: {err}") from err
+
+    def to_dict(self) -> dict[str, float]:
+        """The fields as a plain mapping (what :meth:`from_dict` reads back)."""
+        return dataclasses.asdict(self)
+
+    def to_json(self, path: str | Path) -> None:
+        """Write every field to ``path`` as a JSON object (``inf`` as ``Infinity``).
+
+        Raises:
+            ValueError: if the file cannot be written.
+        """
+        try:
+            Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        except OSError as err:
+            raise ValueError(f"cannot write calibration file {path}: {err}") from err
+
+
+def _check_positive(**values: float) -> None:
+    for name, value in values.items():
+        if not value > 0 or math.isnan(value):
+            raise ValueError(f"{name} must be > 0, got {value!r}")
+
+
+def young_interval(checkpoint_s: float, mtbf_s: float) -> float:
+    """Young's (1974) optimal work time between checkpoints, ``sqrt(2 C M)``.
+
+    Raises:
+        ValueError: if ``checkpoint_s`` is negative or ``mtbf_s`` is not positive.
+    """
+    _check_positive(mtbf_s=mtbf_s)
+    if checkpoint_s < 0:
+        raise ValueError(f"checkpoint_s must be >= 0, got {checkpoint_s!r}")
+    return math.sqrt(2.0 * checkpoint_s * mtbf_s)
+
+
+def daly_interval(checkpoint_s: float, mtbf_s: float) -> float:
+    """Daly's (2006) higher-order optimal work time between checkpoints.
+
+    ``T = sqrt(2CM) (1 + sqrt(C/(2M))/3 + C/(18M)) - C`` for ``C < 2M``, else ``M``.
+
+    Raises:
+        ValueError: if ``checkpoint_s`` is negative or ``mtbf_s`` is not positive.
+    """
+    _check_positive(mtbf_s=mtbf_s)
+    if checkpoint_s < 0:
+        raise ValueError(f"checkpoint_s must be >= 0, got {checkpoint_s!r}")
+    c, m = checkpoint_s, mtbf_s
+    if c >= 2.0 * m:
+        return m
+    root = math.sqrt(2.0 * c * m)
+    return max(0.0, root * (1.0 + math.sqrt(c / (2.0 * m)) / 3.0 + c / (18.0 * m)) - c)
+
+
+def young_waste(*, interval_s: float, checkpoint_s: float, restart_s: float, mtbf_s: float) -> float:
+    """First-order expected fraction of wall time wasted: ``C/T + (T/2 + R)/M``.
+
+    Accurate while ``C`` and ``R`` are small against ``M`` (within ~2% of the exact
+    value for ``C/M < 1e-3``); it ignores failures during checkpoints and restarts.
+
+    Raises:
+        ValueError: if ``interval_s`` or ``mtbf_s`` is not positive.
+    """
+    _check_positive(interval_s=interval_s, mtbf_s=mtbf_s)
+    return checkpoint_s / interval_s + (interval_s / 2.0 + restart_s) / mtbf_s
+
+
+def daly_waste(*, interval_s: float, checkpoint_s: float, restart_s: float, mtbf_s: float) -> float:
+    """Exact expected fraction of wall time wasted under exponential failures (Daly 2006).
+
+    Each segment of ``T`` work and ``C`` checkpoint write takes, in expectation,
+    ``M e^{R/M} (e^{(T+C)/M} - 1)`` wall time when a failure may strike at any moment,
+    including during writes and restarts (a failure during a restart starts it again).
+    The waste is ``1 - T / that``. :mod:`simulations.cluster` implements exactly this
+    model for ``checkpoint_restart``, so the two must agree up to Monte Carlo noise.
+
+    Raises:
+        ValueError: if ``interval_s`` or ``mtbf_s`` is not positive.
+    """
+    _check_positive(interval_s=interval_s, mtbf_s=mtbf_s)
+    m = mtbf_s
+    segment = m * math.exp(restart_s / m) * math.expm1((interval_s + checkpoint_s) / m)
+    return 1.0 - interval_s / segment
