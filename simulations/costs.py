@@ -220,7 +220,9 @@ def daly_interval(checkpoint_s: float, mtbf_s: float) -> float:
     return max(0.0, root * (1.0 + math.sqrt(c / (2.0 * m)) / 3.0 + c / (18.0 * m)) - c)
 
 
-def young_waste(*, interval_s: float, checkpoint_s: float, restart_s: float, mtbf_s: float) -> float:
+def young_waste(
+    *, interval_s: float, checkpoint_s: float, restart_s: float, mtbf_s: float
+) -> float:
     """First-order expected fraction of wall time wasted: ``C/T + (T/2 + R)/M``.
 
     Accurate while ``C`` and ``R`` are small against ``M`` (within ~2% of the exact
