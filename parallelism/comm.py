@@ -180,7 +180,16 @@ class StageComm:
             self._stage = _make_group(
                 backend, stage_store, self.worker.replica, topology.replicas, bind_host, timeout
             )
-        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self._pending: list[tuple[dist.Work, torch.Tensor, int]] = []
+        self.waiting_on: int | None = None
+        """The peer rank a blocking call is waiting for (-1: a collective), else None."""
+
+    @property
+    def store(self) -> dist.Store:
+        """This generation's view of the controller's store."""
+        if self._store is None:
+            raise RuntimeError("process group used after close()")
+        return self._store
 
     # -- point to point (global ranks) ---------------------------------------------------
 
@@ -193,18 +202,26 @@ class StageComm:
     def isend(self, tensor: torch.Tensor, dst: int) -> None:
         """Send ``tensor`` to global rank ``dst`` without waiting; see `wait_sends`."""
         tensor = tensor.contiguous()
-        self._pending.append((self.world.send([tensor], dst, 0), tensor))
+        self._pending.append((self.world.send([tensor], dst, 0), tensor, dst))
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Receive into ``tensor`` from global rank ``src``, blocking."""
-        self.world.recv([tensor], src, 0).wait()
+        self.wait(self.world.recv([tensor], src, 0), src)
         return tensor
+
+    def wait(self, work: dist.Work, peer: int = -1) -> None:
+        """Wait for ``work``, noting whom we wait for (see `waiting_on`)."""
+        self.waiting_on = peer
+        try:
+            work.wait()
+        finally:
+            self.waiting_on = None
 
     def wait_sends(self) -> None:
         """Wait until every `isend` so far has completed (their buffers may then be reused)."""
         pending, self._pending = self._pending, []
-        for work, _ in pending:
-            work.wait()
+        for work, _, dst in pending:
+            self.wait(work, dst)
 
     def send_tensor(self, tensor: torch.Tensor, dst: int) -> None:
         """Send a tensor of any shape and dtype, preceded by a small metadata header.
@@ -238,12 +255,6 @@ class StageComm:
         if self._stage is None:
             return None
         return self._stage.allreduce([tensor])
-
-    def broadcast_world(self, tensor: torch.Tensor, root: int) -> None:
-        """Broadcast ``tensor`` from global rank ``root`` to every worker, blocking."""
-        opts = dist.BroadcastOptions()
-        opts.rootRank = root
-        self.world.broadcast([tensor], opts).wait()
 
     def barrier(self) -> None:
         """Block until every worker of the generation reaches this point."""

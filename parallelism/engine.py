@@ -214,7 +214,7 @@ class StageEngine:
             work = comm.allreduce_stage(flat)
             hook(DURING_ALLREDUCE)
             if work is not None:
-                work.wait()
+                comm.wait(work)
             flat.div_(replicas)
             for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
                 grad.copy_(reduced)

@@ -1,4 +1,4 @@
-"""The controller: owns membership, hosts the store, drives steps, detects failures.
+"""The controller: owns membership, hosts the store, drives steps, detects and recovers failures.
 
 It runs in the driver process (the one that calls `Trainer.fit`), never on a worker, so
 losing any worker never loses the store or the job's bookkeeping. It is an explicit state
@@ -9,6 +9,18 @@ machine (`Phase`); `advance` performs exactly one transition, which is what test
                      failure |  | recovered
                              v  |
                           RECOVERING --no way out--> FAILED
+
+[Note: failure detection]
+A step's failure shows up in one of three ways, and the controller waits for all of them
+at once with ``ray.wait``: a dead worker's call raises ``RayActorError`` (Ray notices the
+process exit); a survivor's call returns a failed `StepReport` (Gloo reported the dead peer,
+and the survivor tore down its groups so that its own peers fail fast too -- see
+``parallelism/comm.py``); or nothing returns within ``hang_timeout_s``. In the last case
+the controller asks each silent worker, on a separate control thread, what it is doing;
+those not blocked on a peer are the hung ones. It kills them, which turns the hang into
+the first case. A failure before the commit decision abandons the step everywhere; a
+worker that dies after it (while applying the step) leaves the step committed for everyone
+else, and its replacement copies the committed state.
 """
 
 from __future__ import annotations
@@ -17,19 +29,26 @@ import contextlib
 import enum
 import logging
 import math
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+import torch.distributed as dist
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from parallelism.comm import Rendezvous, host_store
 from parallelism.topology import Topology
-from recovery.errors import RecoveryError
-from recovery.placement import place
+from recovery.errors import RecoveryError, RedundancyExhausted
+from recovery.events import RecoveryEvent
+from recovery.faults import FailureSchedule, Fault, Hang, Kill, KillNode
+from recovery.placement import place, replacement_node
+from recovery.planner import REPLICA_COPY, RESTART, RecoveryPlan, Redundancy, plan
+from recovery.policy import RecoveryPolicy
+from recovery.pool import POOL
 from recovery.ray_env import alive_nodes, connect, driver_host
 from recovery.spec import TrainSpec
 from recovery.worker import StageWorker, StepReport, WorkerInfo
@@ -43,6 +62,17 @@ class Phase(enum.Enum):
     RECOVERING = "recovering"
     FINISHED = "finished"
     FAILED = "failed"
+
+
+class _RemoteWorker(StageWorker):
+    """`StageWorker` as a Ray actor, with `probe` answered from its own control thread."""
+
+    @ray.method(concurrency_group="control")
+    def probe(self) -> dict[str, object]:  # type: ignore[override]
+        return StageWorker.probe(self)
+
+
+_REMOTE_WORKER = ray.remote(concurrency_groups={"control": 1})(_RemoteWorker)  # type: ignore[call-overload]
 
 
 @dataclass
@@ -65,6 +95,8 @@ class StepRecord:
     tokens_per_s: float
     generation: int
     grad_norms: list[float]
+    bubble: float
+    """Pipeline idle fraction: 1 - compute seconds / schedule seconds, over all workers."""
     val_loss: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -80,9 +112,22 @@ class ControllerConfig:
     eval_every: int = 0
     eval_batches: int = 1
     start_timeout_s: float = 300.0
-    step_timeout_s: float = 300.0
     join_timeout_s: float = 60.0
+    work_dir: str | None = None
+    """Where the restart baseline writes checkpoints (default: a temp folder)."""
     worker_options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Failure:
+    """A failed step, as detected."""
+
+    step: int
+    lost: set[int]
+    cause: str
+    detected_at: float
+    struck_at: float
+    errors: dict[int, str]
 
 
 class Controller:
@@ -94,25 +139,41 @@ class Controller:
         topology: Topology,
         config: ControllerConfig,
         *,
+        policy: RecoveryPolicy | None = None,
+        failures: FailureSchedule | None = None,
         on_step: Callable[[StepRecord], None] | None = None,
+        on_event: Callable[[RecoveryEvent], None] | None = None,
     ) -> None:
         self.spec = spec
         self.topology = topology
         self.config = config
+        self.policy = policy or RecoveryPolicy()
+        self.failures = failures or FailureSchedule()
         self.on_step = on_step or (lambda record: None)
+        self.on_event = on_event or (lambda event: None)
         self.phase = Phase.STARTING
         self.generation = -1
         self.step = 0
         self.target_steps = 0
         self.members: dict[int, Member] = {}
         self.assignment: dict[int, str] = {}
+        self.job_nodes: list[str] = []
+        self.lost_nodes: set[str] = set()
         self.records: list[StepRecord] = []
+        self.events: list[RecoveryEvent] = []
         self.tokens_per_step = 0
         self.started_at = time.perf_counter()
+        self.started_wall = time.time()
         self.started_ray = False
         self._store: Any = None
         self.host = "127.0.0.1"
         self.error: BaseException | None = None
+        self._fired: set[Fault] = set()
+        self._failure: _Failure | None = None
+        self._pending_event: tuple[RecoveryEvent, float] | None = None
+        self._spares: list[tuple[Any, str]] = []
+        self.checkpoint_steps: list[int] = []
+        self._checkpoint_dir = ""
 
     # -- startup -------------------------------------------------------------------------
 
@@ -123,31 +184,81 @@ class Controller:
         self.started_ray = connect()
         self.host = "127.0.0.1" if self.started_ray else driver_host()
         self._store = host_store(self.host)
-        self.assignment = place(self.topology, alive_nodes())
-        actors = {
-            rank: self._new_actor(self.assignment[rank]) for rank in range(self.topology.world_size)
-        }
-        infos = self._call(
-            actors, "info", timeout_s=self.config.start_timeout_s, what="start workers"
-        )
-        self.members = {rank: Member(rank, actors[rank], infos[rank]) for rank in actors}
+        self.job_nodes = alive_nodes()
+        for fault in self.failures:
+            if isinstance(fault, KillNode) and fault.node >= len(self.job_nodes):
+                raise ValueError(f"{fault}: the job runs on {len(self.job_nodes)} node(s)")
+        if self.policy.strategy == RESTART:
+            self._checkpoint_dir = str(
+                self.policy.checkpoint_dir
+                or self.config.work_dir
+                or tempfile.mkdtemp(prefix="checkfree-ckpt-")
+            )
+        self.assignment = place(self.topology, self.job_nodes)
+        self.members = self._start_workers(self.assignment)
         self._call(
-            actors,
+            {rank: m.actor for rank, m in self.members.items()},
             "setup",
             lambda rank: (self.spec, self.topology, rank, self.config.backend),
             timeout_s=self.config.start_timeout_s,
             what="build stages",
         )
+        self._start_spares(self.policy.hot_spares)
         self.form_generation()
         self.started_at = time.perf_counter()
+        self.started_wall = time.time()
         self.phase = Phase.RUNNING
 
+    @property
+    def _pool_key(self) -> tuple[Any, ...]:
+        return (self.config.threads_per_worker, tuple(sorted(self.config.worker_options.items())))
+
     def _new_actor(self, node_id: str) -> Any:
-        options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0, "max_task_retries": 0}
+        options: dict[str, Any] = {
+            "num_cpus": 0,
+            "max_restarts": 0,
+            "max_task_retries": 0,
+        }
         options.update(self.config.worker_options)
         if node_id:
-            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=True)
-        return ray.remote(StageWorker).options(**options).remote(self.config.threads_per_worker)
+            # Hard affinity: placement is a correctness property (see recovery/placement.py).
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+                node_id, soft=False, _fail_on_unavailable=True
+            )
+        return _REMOTE_WORKER.options(**options).remote(self.config.threads_per_worker)
+
+    def _start_workers(self, assignment: dict[int, str], *, warm: bool = True) -> dict[int, Member]:
+        """Start (or take warm from the pool, if ``warm``) one actor per rank on its node."""
+        actors: dict[int, Any] = {}
+        pooled: set[int] = set()
+        for rank, node in assignment.items():
+            actor = POOL.take(node, self._pool_key) if warm else None
+            if actor is None:
+                actor = self._new_actor(node)
+            else:
+                pooled.add(rank)
+            actors[rank] = actor
+        refs = {rank: actor.info.remote() for rank, actor in actors.items()}
+        infos, errors = self._gather(refs, self.config.start_timeout_s)
+        stale = {rank for rank in errors if rank in pooled}
+        if stale:  # parked actors that died meanwhile: start fresh ones instead
+            for rank in stale:
+                actors[rank] = self._new_actor(assignment[rank])
+            retry = {rank: actors[rank].info.remote() for rank in stale}
+            more, errors = self._gather(retry, self.config.start_timeout_s)
+            infos.update(more)
+        if errors:
+            raise RecoveryError(_describe_errors("start workers", errors))
+        return {rank: Member(rank, actors[rank], infos[rank]) for rank in actors}
+
+    def _start_spares(self, count: int) -> None:
+        """Start ``count`` hot spares (spread over nodes) and warm them up, without waiting."""
+        nodes = [n for n in self.job_nodes if n not in self.lost_nodes] or self.job_nodes
+        for i in range(count):
+            node = nodes[(len(self._spares) + i) % len(nodes)]
+            actor = POOL.take(node, self._pool_key) or self._new_actor(node)
+            actor.warm.remote(self.spec, self.topology, self.config.backend)
+            self._spares.append((actor, node))
 
     def form_generation(self) -> float:
         """Tear down the current process groups everywhere and form the next generation.
@@ -160,9 +271,8 @@ class Controller:
         rendezvous = Rendezvous(
             self.host, self._store.port, f"gen{self.generation}", self.config.join_timeout_s
         )
-        actors = {rank: m.actor for rank, m in self.members.items()}
         self._call(
-            actors,
+            {rank: m.actor for rank, m in self.members.items()},
             "join",
             lambda rank: (self.generation, rendezvous, self.members[rank].info.host),
             timeout_s=self.config.join_timeout_s + 10,
@@ -172,7 +282,7 @@ class Controller:
 
     # -- the state machine ---------------------------------------------------------------
 
-    def run(self, steps: int, progress: Callable[[StepRecord], None] | None = None) -> None:
+    def run(self, steps: int) -> None:
         """Advance until ``steps`` steps are committed (or the job fails)."""
         self.target_steps = steps
         if self.phase is Phase.STARTING:
@@ -191,49 +301,354 @@ class Controller:
             else:
                 self._train_step()
         elif self.phase is Phase.RECOVERING:
-            self.error = RecoveryError(self._failure_text)
-            self.phase = Phase.FAILED
+            try:
+                self._recover()
+            except RecoveryError as exc:
+                log.error("%s", exc)
+                self.error = exc
+                self.phase = Phase.FAILED
         return self.phase
+
+    # -- one step ------------------------------------------------------------------------
+
+    def _faults_for(self, step: int) -> dict[int, tuple[Fault, ...]]:
+        """The injected faults that strike at ``step``, per rank (each fires once)."""
+        out: dict[int, list[Fault]] = {}
+        for fault in self.failures:
+            if fault.step != step or fault in self._fired:
+                continue
+            if isinstance(fault, KillNode):
+                node = self.job_nodes[fault.node]
+                self.lost_nodes.add(node)
+                for rank, m in self.members.items():
+                    if m.info.node_id == node:
+                        out.setdefault(rank, []).append(
+                            Kill(
+                                step=step,
+                                stage=self.topology.worker(rank).stage,
+                                replica=self.topology.worker(rank).replica,
+                            )
+                        )
+                self._fired.add(fault)
+            elif isinstance(fault, Kill | Hang):
+                out.setdefault(self.topology.rank(fault.stage, fault.replica), []).append(fault)
+        return {rank: tuple(faults) for rank, faults in out.items()}
 
     def _train_step(self) -> None:
         step = self.step
         start = time.perf_counter()
+        struck_at = time.time()
+        faults = self._faults_for(step)
         actors = {rank: m.actor for rank, m in self.members.items()}
-        reports, failures = self._gather(
-            {rank: a.run_step.remote(step) for rank, a in actors.items()},
-            self.config.step_timeout_s,
-        )
+        refs = {rank: a.run_step.remote(step, faults.get(rank, ())) for rank, a in actors.items()}
+        reports, errors, hung = self._await_step(refs)
         failed = {rank: r.error for rank, r in reports.items() if not r.ok}
-        failed.update({rank: str(e) for rank, e in failures.items()})
-        if failed:
-            self._on_failure(step, failed)
+        if errors or failed:
+            self._fail(step, set(errors), failed, errors, hung, struck_at, faults)
             return
-        self._call(
-            actors,
-            "commit",
-            lambda rank: (step,),
-            timeout_s=self.config.step_timeout_s,
-            what=f"commit step {step}",
+        _commits, errors = self._gather(
+            {rank: a.commit.remote(step) for rank, a in actors.items()}, self.policy.hang_timeout_s
         )
         elapsed = time.perf_counter() - start
         record = self._record(step, reports, elapsed)
         self.step = step + 1
+        if errors:  # died while applying: the step is committed for everyone else
+            self.records.append(record)
+            self.on_step(record)
+            self._fail(self.step, set(errors), {}, errors, set(), struck_at, faults)
+            return
+        self._mark_fired(faults)
+        if self.policy.strategy == RESTART and self.step % self.policy.checkpoint_every == 0:
+            self._save_checkpoint()
         if self.config.eval_every and (
             self.step % self.config.eval_every == 0 or self.step == self.target_steps
         ):
             record.val_loss = self.evaluate()
         self.records.append(record)
         self.on_step(record)
+        self._finish_event()
 
-    def _on_failure(self, step: int, failed: dict[int, str]) -> None:
-        lines = [f"step {step} failed in generation {self.generation}:"]
-        for rank, error in sorted(failed.items()):
-            lines.append(
-                f"  worker {self.topology.worker(rank)} (rank {rank}): {error.splitlines()[0][:300]}"
+    def _await_step(
+        self, refs: dict[int, Any]
+    ) -> tuple[dict[int, StepReport], dict[int, BaseException], set[int]]:
+        """Wait for a step's reports; kill hung workers (see [Note: failure detection])."""
+        pending = list(refs.values())
+        _, not_ready = ray.wait(
+            pending, num_returns=len(pending), timeout=self.policy.hang_timeout_s
+        )
+        hung: set[int] = set()
+        if not_ready:
+            silent = [rank for rank, ref in refs.items() if ref in not_ready]
+            hung = self._find_hung(silent)
+            for rank in hung:
+                log.warning(
+                    "worker %s made no progress for %.0f s: killing it",
+                    self.topology.worker(rank),
+                    self.policy.hang_timeout_s,
+                )
+                with contextlib.suppress(Exception):
+                    ray.kill(self.members[rank].actor, no_restart=True)
+            _, not_ready = ray.wait(
+                pending, num_returns=len(pending), timeout=min(60.0, self.policy.hang_timeout_s)
             )
-        self._failure_text = "\n".join(lines)
-        log.error(self._failure_text)
+            for rank, ref in refs.items():  # still silent after the cascade: give up on them too
+                if ref in not_ready:
+                    hung.add(rank)
+                    with contextlib.suppress(Exception):
+                        ray.kill(self.members[rank].actor, no_restart=True)
+        results, errors = self._gather(refs, 10.0)
+        return results, errors, hung
+
+    def _find_hung(self, silent: list[int]) -> set[int]:
+        """Among silent workers, those not blocked on a peer (all of them if none stands out)."""
+        probes = {rank: self.members[rank].actor.probe.remote() for rank in silent}
+        answers, errors = self._gather(probes, 5.0)
+        hung = set(errors) | {rank for rank, a in answers.items() if a.get("waiting_on") is None}
+        return hung or set(silent)
+
+    def _fail(
+        self,
+        step: int,
+        lost: set[int],
+        failed: dict[int, str],
+        errors: dict[int, BaseException],
+        hung: set[int],
+        struck_at: float,
+        faults: dict[int, tuple[Fault, ...]],
+    ) -> None:
+        detected_at = time.time()
+        injected = self._injected_time(lost | set(failed))
+        messages = {rank: _first_line(e) for rank, e in errors.items()}
+        messages.update(failed)
+        if hung:
+            cause = "hung"
+        elif any(self.members[r].info.node_id in self.lost_nodes for r in lost):
+            cause = "node lost"
+        elif lost:
+            cause = "killed"
+        else:
+            cause = "communication error"
+        self._mark_fired(faults, lost | hung)
+        self._failure = _Failure(
+            step=step,
+            lost=lost,
+            cause=cause,
+            detected_at=detected_at,
+            struck_at=injected if injected is not None else struck_at,
+            errors=messages,
+        )
+        log.warning(
+            "step %d failed (%s): lost %s",
+            step,
+            cause,
+            ", ".join(str(self.topology.worker(r)) for r in sorted(lost)) or "nobody",
+        )
         self.phase = Phase.RECOVERING
+
+    def _mark_fired(
+        self, faults: dict[int, tuple[Fault, ...]], ranks: set[int] | None = None
+    ) -> None:
+        """Faults fire once: mark those of ``ranks`` (default: all) as spent."""
+        for rank, fs in faults.items():
+            if ranks is None or rank in ranks:
+                self._fired.update(fs)
+
+    def _injected_time(self, ranks: set[int]) -> float | None:
+        """When an injected fault struck one of ``ranks`` (workers leave it in the store)."""
+        store = dist.PrefixStore(f"gen{self.generation}", self._store)
+        times = []
+        for rank in ranks:
+            key = f"fault/{rank}"
+            with contextlib.suppress(Exception):
+                if store.check([key]):
+                    times.append(float(store.get(key).decode()))
+        return min(times) if times else None
+
+    # -- recovery ------------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        """Rebuild the lost workers and resume. See docs/DESIGN.md, Recovery hierarchy."""
+        failure = self._failure
+        assert failure is not None
+        if (
+            self.policy.max_recoveries is not None
+            and len(self.events) >= self.policy.max_recoveries
+        ):
+            raise RecoveryError(
+                f"{self._failure_text(failure)}\nmax_recoveries={self.policy.max_recoveries} reached"
+            )
+        lost = set(failure.lost)
+        for rank in lost:
+            with contextlib.suppress(Exception):
+                ray.kill(self.members[rank].actor, no_restart=True)
+        # Survivors abandon the step and leave the generation; anyone dying now is lost too.
+        survivors = {rank: m for rank, m in self.members.items() if rank not in lost}
+        committed, errors = self._gather(
+            {rank: m.actor.prepare_recovery.remote() for rank, m in survivors.items()}, 60.0
+        )
+        lost |= set(errors)
+        alive = {rank: step for rank, step in committed.items() if rank not in lost}
+        redundancy = Redundancy(alive=alive, checkpoint_steps=tuple(self.checkpoint_steps))
+        try:
+            recovery = plan(self.topology, lost, redundancy, self.policy)
+        except RedundancyExhausted as exc:
+            raise RedundancyExhausted(f"{self._failure_text(failure)}\n{exc}") from None
+        log.info("%s", recovery.describe(self.topology))
+
+        t0 = time.perf_counter()
+        rebuild = sorted({a.rank for a in recovery.actions})
+        if recovery.strategy == RESTART:  # the baseline: everyone goes, everyone comes back cold
+            for rank in alive:
+                with contextlib.suppress(Exception):
+                    ray.kill(self.members[rank].actor, no_restart=True)
+        warm = self._replace(rebuild, cold=recovery.strategy == RESTART)
+        t_replace = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        self.form_generation()
+        t_reform = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        moved = self._execute(recovery)
+        t_transfer = time.perf_counter() - t0
+
+        event = RecoveryEvent(
+            step=failure.step,
+            generation=self.generation,
+            cause=failure.cause,
+            lost=[
+                (self.topology.worker(r).stage, self.topology.worker(r).replica)
+                for r in sorted(lost)
+            ],
+            strategy=recovery.strategy,
+            actions=[
+                {
+                    "worker": (
+                        self.topology.worker(a.rank).stage,
+                        self.topology.worker(a.rank).replica,
+                    ),
+                    "strategy": a.strategy,
+                    "sources": [
+                        (self.topology.worker(s).stage, self.topology.worker(s).replica)
+                        for s in a.sources
+                    ],
+                    "warm": a.rank in warm,
+                }
+                for a in recovery.actions
+            ],
+            bytes_moved=moved,
+            lost_steps=failure.step - recovery.resume_step,
+            time=failure.struck_at - self.started_wall,
+            breakdown={
+                "detect": max(0.0, failure.detected_at - failure.struck_at),
+                "replace": t_replace,
+                "reform": t_reform,
+                "transfer": t_transfer,
+            },
+            detail=self._failure_text(failure) + "\n" + recovery.describe(self.topology),
+        )
+        self._pending_event = (event, time.time())
+        self._failure = None
+        self.step = recovery.resume_step
+        self.phase = Phase.RUNNING
+
+    def _replace(self, ranks: Sequence[int], *, cold: bool) -> set[int]:
+        """Start (or take hot spares for) ``ranks`` and build their stages.
+
+        Returns the ranks that got a warm spare.
+        """
+        alive_now = [n for n in alive_nodes() if n not in self.lost_nodes] or alive_nodes()
+        actors: dict[int, tuple[Any, str]] = {}
+        warm: set[int] = set()
+        for rank in ranks:
+            node = replacement_node(self.topology, rank, self.assignment, alive_now)
+            spare = None if cold else self._take_spare(node)
+            if spare is not None:
+                warm.add(rank)
+            actors[rank] = spare if spare is not None else (self._new_actor(node), node)
+            self.assignment[rank] = actors[rank][1]
+        infos, errors = self._gather(
+            {rank: a.info.remote() for rank, (a, _) in actors.items()}, self.config.start_timeout_s
+        )
+        if errors:
+            raise RecoveryError(_describe_errors("start replacement workers", errors))
+        for rank, (actor, _) in actors.items():
+            self.members[rank] = Member(rank, actor, infos[rank])
+        self._call(
+            {rank: a for rank, (a, _) in actors.items()},
+            "setup",
+            lambda rank: (self.spec, self.topology, rank, self.config.backend),
+            timeout_s=self.config.start_timeout_s,
+            what="build replacement stages",
+        )
+        if not cold:
+            self._start_spares(self.policy.hot_spares - len(self._spares))
+        return warm
+
+    def _take_spare(self, node: str) -> tuple[Any, str] | None:
+        for i, (_actor, spare_node) in enumerate(self._spares):
+            if spare_node == node:
+                return self._spares.pop(i)
+        return self._spares.pop(0) if self._spares else None
+
+    def _execute(self, recovery: RecoveryPlan) -> int:
+        """Carry out the plan's state movements. Returns the bytes moved."""
+        if recovery.strategy == RESTART:
+            if recovery.resume_step > 0:
+                self._call(
+                    {rank: m.actor for rank, m in self.members.items()},
+                    "load_checkpoint",
+                    lambda rank: (self._checkpoint_dir, recovery.resume_step),
+                    timeout_s=self.config.start_timeout_s,
+                    what=f"load the checkpoint of step {recovery.resume_step}",
+                )
+            return 0
+        by_source: dict[int, list[int]] = {}
+        for action in recovery.actions:
+            assert action.strategy == REPLICA_COPY, action
+            by_source.setdefault(action.sources[0], []).append(action.rank)
+        refs: dict[int, Any] = {}
+        for src, dsts in by_source.items():
+            refs[src] = self.members[src].actor.send_state.remote(dsts)
+            for dst in dsts:
+                refs[dst] = self.members[dst].actor.recv_state.remote(src)
+        results, errors = self._gather(refs, self.config.start_timeout_s)
+        if errors:
+            raise RecoveryError(_describe_errors("transfer state", errors))
+        steps = {results[a.rank][0] for a in recovery.actions}
+        assert steps <= {recovery.resume_step}, (steps, recovery.resume_step)
+        return sum(int(results[src]) for src in by_source)
+
+    def _finish_event(self) -> None:
+        """After the first commit following a recovery, close and publish its event."""
+        if self._pending_event is None:
+            return
+        event, recovered_at = self._pending_event
+        self._pending_event = None
+        event.breakdown["resume"] = time.time() - recovered_at
+        event.seconds = sum(event.breakdown.values())
+        self.events.append(event)
+        self.on_event(event)
+
+    def _failure_text(self, failure: _Failure) -> str:
+        lines = [f"step {failure.step} failed in generation {self.generation} ({failure.cause}):"]
+        for rank, error in sorted(failure.errors.items()):
+            lines.append(
+                f"  worker {self.topology.worker(rank)} (rank {rank}): {error.splitlines()[0][:300] if error else ''}"
+            )
+        return "\n".join(lines)
+
+    def _save_checkpoint(self) -> None:
+        self._call(
+            {rank: m.actor for rank, m in self.members.items()},
+            "save_checkpoint",
+            lambda rank: (self._checkpoint_dir, self.step),
+            timeout_s=self.config.start_timeout_s,
+            what=f"checkpoint step {self.step}",
+        )
+        self.checkpoint_steps.append(self.step)
+
+    # -- metrics -------------------------------------------------------------------------
 
     def _record(self, step: int, reports: dict[int, StepReport], elapsed: float) -> StepRecord:
         loss_sum = sum(r.stats.loss_sum for r in reports.values())
@@ -243,6 +658,8 @@ class Controller:
             reports[self.topology.rank(s, 0)].stats.clipped_grad_norm
             for s in range(self.topology.stages)
         ]
+        busy = sum(r.stats.compute_s for r in reports.values())
+        span = sum(r.stats.schedule_s for r in reports.values())
         return StepRecord(
             step=step,
             loss=loss,
@@ -251,6 +668,7 @@ class Controller:
             tokens_per_s=self.tokens_per_step / elapsed if elapsed > 0 else 0.0,
             generation=self.generation,
             grad_norms=norms,
+            bubble=1.0 - busy / span if span > 0 else 0.0,
         )
 
     def evaluate(self) -> float:
@@ -264,7 +682,7 @@ class Controller:
                 actors,
                 "evaluate",
                 lambda rank, index=index: (index,),  # type: ignore[misc]
-                timeout_s=self.config.step_timeout_s,
+                timeout_s=self.policy.hang_timeout_s,
                 what="evaluate",
             )
             total += sum(r.stats.loss_sum for r in reports.values())
@@ -277,7 +695,7 @@ class Controller:
         """Every worker's final state, keyed by (stage, replica)."""
         actors = {rank: m.actor for rank, m in self.members.items()}
         states = self._call(
-            actors, "state", timeout_s=self.config.step_timeout_s, what="collect states"
+            actors, "state", timeout_s=self.config.start_timeout_s, what="collect states"
         )
         return {
             (self.topology.worker(rank).stage, self.topology.worker(rank).replica): state
@@ -285,11 +703,23 @@ class Controller:
         }
 
     def shutdown(self) -> None:
-        """Kill every worker and stop the store (and the local Ray, if we started it)."""
-        for member in self.members.values():
+        """Park healthy workers in the pool (after a clean finish) or kill them; drop the store."""
+        members, self.members = self.members, {}
+        spares, self._spares = self._spares, []
+        keep: dict[int, Member] = {}
+        if members:  # workers that can still reset themselves are reused, whatever happened
+            refs = {rank: m.actor.reset.remote() for rank, m in members.items()}
             with contextlib.suppress(Exception):
-                ray.kill(member.actor, no_restart=True)
-        self.members = {}
+                done, _ = self._gather(refs, 30.0 if self.phase is Phase.FINISHED else 5.0)
+                keep = {rank: members[rank] for rank in done}
+        for rank, member in members.items():
+            if rank in keep:
+                POOL.park(member.actor, member.info.node_id, self._pool_key)
+            else:
+                with contextlib.suppress(Exception):
+                    ray.kill(member.actor, no_restart=True)
+        for actor, node in spares:
+            POOL.park(actor, node, self._pool_key)
         self._store = None
 
     # -- Ray plumbing --------------------------------------------------------------------
@@ -303,15 +733,14 @@ class Controller:
             Exception: the original error of a worker whose user code raised.
         """
         pending = list(refs.values())
-        ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
+        if pending:
+            ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
         results: dict[int, Any] = {}
         errors: dict[int, BaseException] = {}
         for rank, ref in refs.items():
             try:
                 results[rank] = ray.get(ref, timeout=0)
-            except RayActorError as exc:
-                errors[rank] = exc
-            except GetTimeoutError as exc:
+            except (RayActorError, GetTimeoutError) as exc:
                 errors[rank] = exc
             except RayTaskError as exc:
                 raise exc.as_instanceof_cause() from None
@@ -337,9 +766,15 @@ class Controller:
         }
         results, errors = self._gather(refs, timeout_s)
         if errors:
-            detail = "; ".join(
-                f"rank {r}: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                for r, e in sorted(errors.items())
-            )
-            raise RecoveryError(f"could not {what}: {detail}")
+            raise RecoveryError(_describe_errors(what, errors))
         return results
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
+
+
+def _describe_errors(what: str, errors: dict[int, BaseException]) -> str:
+    detail = "; ".join(f"rank {r}: {_first_line(e)}" for r, e in sorted(errors.items()))
+    return f"could not {what}: {detail}"

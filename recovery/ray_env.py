@@ -1,7 +1,14 @@
 """Connecting to Ray: the cluster in ``RAY_ADDRESS`` (a ``ray job submit`` run) or a local one.
 
+[Note: loopback only]
 A local Ray is started bound to 127.0.0.1 with the dashboard off, so a training run on a
-laptop or a CI machine opens nothing to the network.
+laptop or a CI machine opens nothing to the network. ``ray.init(_node_ip_address=
+"127.0.0.1")`` alone does not do it: Ray on Linux swaps a loopback node address for the
+machine's routable IP, and its servers then listen on every interface. Ray keeps to
+loopback when its "cluster mode" is off (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, the
+setting it uses on laptops), so that is set -- in the environment, for the processes Ray
+spawns, and in Ray's already-imported constants, for this one -- before a local start.
+Connecting to an existing cluster changes nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ def connect(*, num_cpus: int | None = None, log_to_driver: bool = False) -> bool
     if os.environ.get("RAY_ADDRESS"):
         ray.init(log_to_driver=log_to_driver, logging_level=logging.WARNING)
         return False
+    _loopback_only()
     ray.init(
+        address="local",  # a new local Ray, never some other process's cluster on this machine
         num_cpus=num_cpus or os.cpu_count() or 1,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
@@ -32,6 +41,22 @@ def connect(*, num_cpus: int | None = None, log_to_driver: bool = False) -> bool
         configure_logging=True,
     )
     return True
+
+
+def _loopback_only() -> None:
+    """See [Note: loopback only]."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    try:
+        from ray._private import ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    except (ImportError, AttributeError):  # a Ray without the switch: nothing to turn off
+        pass
+
+
+def node_addresses() -> dict[str, str]:
+    """Node id -> the IP address Ray knows the node by (what its workers bind to)."""
+    return {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
 
 
 def driver_host() -> str:

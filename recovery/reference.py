@@ -47,6 +47,7 @@ def train_reference(
     """
     modules = [spec.build(s, stages) for s in range(stages)]
     optimizers = [spec.make_optimizer(m.parameters()) for m in modules]
+    base_lrs = [[g["lr"] for g in opt.param_groups] for opt in optimizers]
     result = ReferenceResult(losses=[], states=[])
     for step in range(steps):
         start = time.perf_counter()
@@ -62,11 +63,11 @@ def train_reference(
         loss = spec.loss_fn(x, targets)
         loss.backward()
         norms = []
-        for module, opt in zip(modules, optimizers, strict=True):
+        for module, opt, lrs in zip(modules, optimizers, base_lrs, strict=True):
             params = [p for p in module.parameters() if p.requires_grad]
             _, clipped = clip_gradients(params, spec.clip_grad_norm)
             norms.append(clipped)
-            apply_lr_schedule(opt, spec.lr_schedule, step)
+            apply_lr_schedule(opt, spec.lr_schedule, step, lrs)
             opt.step()
         result.losses.append(float(loss.detach()))
         result.grad_norms.append(norms)

@@ -139,11 +139,10 @@ class TrainSpec:
         """
         if self.check_stages is not None:
             self.check_stages(topology.stages)
-        inputs, targets = self.batches(0, 0, topology.replicas)
-        self.split((inputs, targets), step=0, replica=0)
+        _, targets = self.split(self.batches(0, 0, topology.replicas), step=0, replica=0)
         if self.val_batches is not None:
             self.split(self.val_batches(0, 0, topology.replicas), step=0, replica=0)
-        return int(targets.numel()) * topology.replicas
+        return sum(int(t.numel()) for t in targets) * topology.replicas
 
     # -- a ready-made workload -----------------------------------------------------------
 
@@ -228,9 +227,15 @@ def linear_warmup(step: int, *, warmup_steps: int) -> float:
 
 
 def apply_lr_schedule(
-    optimizer: torch.optim.Optimizer, schedule: Callable[[int], float] | None, step: int
+    optimizer: torch.optim.Optimizer,
+    schedule: Callable[[int], float] | None,
+    step: int,
+    base_lrs: list[float],
 ) -> None:
-    """Set every group's learning rate to its initial rate times ``schedule(step)``.
+    """Set each parameter group's learning rate to ``base_lrs[i] * schedule(step)``.
+
+    The rate is a pure function of the step -- no scheduler state -- so a worker rebuilt
+    from any source (a replica, a checkpoint) applies exactly the rate it would have.
 
     Raises:
         ValueError: if the schedule returns a negative or non-finite multiplier.
@@ -240,6 +245,5 @@ def apply_lr_schedule(
     multiplier = float(schedule(step))
     if not (math.isfinite(multiplier) and multiplier >= 0):
         raise ValueError(f"lr_schedule({step}) returned {multiplier}; expected a finite value >= 0")
-    for group in optimizer.param_groups:
-        group.setdefault("initial_lr", group["lr"])
-        group["lr"] = group["initial_lr"] * multiplier
+    for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
+        group["lr"] = base * multiplier

@@ -15,7 +15,10 @@ import torch
 from parallelism.comm import BACKENDS, default_backend
 from parallelism.topology import Topology
 from recovery.controller import Controller, ControllerConfig, StepRecord
+from recovery.events import RecoveryEvent
+from recovery.faults import FailureSchedule
 from recovery.plots import plot_loss
+from recovery.policy import RecoveryPolicy
 from recovery.rundir import RunDir
 from recovery.spec import TrainSpec
 
@@ -25,11 +28,13 @@ class FitResult:
     """What `Trainer.fit` returns."""
 
     losses: list[float]
-    """Training loss of every committed step, in order."""
+    """Training loss of every step, in step order. A step redone after a rollback counts
+    once, with the loss of its final run."""
     metrics: list[dict[str, Any]]
-    """One record per committed step (loss, time, step_s, tokens_per_s, grad norms...)."""
-    events: list[Any]
-    """Every failure and recovery, as `RecoveryEvent`s."""
+    """One record per committed step in the order they ran, redone steps included (loss,
+    time, step_s, tokens_per_s, grad norms...)."""
+    events: list[RecoveryEvent]
+    """Every failure and recovery, in order."""
     wall_s: float
     """Seconds from the first step to the last commit (startup excluded)."""
     startup_s: float
@@ -61,12 +66,22 @@ class FitResult:
         return self.states[(stage, replica)]["optimizer"]
 
 
+def final_trajectory(records: list[StepRecord]) -> list[float]:
+    """Loss per step of the final trajectory: a redone step's last run wins."""
+    by_step: dict[int, float] = {}
+    for record in records:
+        by_step[record.step] = record.loss
+    return [by_step[s] for s in sorted(by_step)]
+
+
 class Trainer:
     """Trains ``spec`` on Ray workers laid out as ``topology``.
 
     Args:
         spec: the model, loss, optimizer and data.
         topology: ``Topology(stages, replicas)``.
+        policy: what to do when workers die (default: the recovery hierarchy).
+        failures: faults to inject (tests, experiments, demos).
         backend: ``"gloo"`` or ``"nccl"``; default: ``nccl`` if CUDA is available.
         run_dir: a folder for metrics, events, summary and plot (created); None: none.
         progress: show a progress bar.
@@ -74,7 +89,6 @@ class Trainer:
         eval_batches: held-out batches per evaluation.
         threads_per_worker: torch intra-op threads per worker.
         collect_states: fetch every worker's final state into the result.
-        step_timeout_s: a step taking longer than this counts as a hang.
 
     Raises:
         ValueError: for a bad argument; raised here, before anything starts.
@@ -85,6 +99,8 @@ class Trainer:
         spec: TrainSpec,
         *,
         topology: Topology,
+        policy: RecoveryPolicy | None = None,
+        failures: FailureSchedule | None = None,
         backend: str | None = None,
         run_dir: str | os.PathLike[str] | None = None,
         progress: bool = False,
@@ -92,7 +108,6 @@ class Trainer:
         eval_batches: int = 1,
         threads_per_worker: int = 1,
         collect_states: bool = True,
-        step_timeout_s: float = 300.0,
     ) -> None:
         if not isinstance(spec, TrainSpec):
             raise ValueError(f"spec must be a TrainSpec, got {type(spec).__name__}")
@@ -106,10 +121,17 @@ class Trainer:
                 raise ValueError(f"{name} must be >= 0, got {value}")
         if threads_per_worker < 1:
             raise ValueError(f"threads_per_worker must be >= 1, got {threads_per_worker}")
-        if not step_timeout_s > 0:
-            raise ValueError(f"step_timeout_s must be positive, got {step_timeout_s}")
+        policy = RecoveryPolicy() if policy is None else policy
+        if not isinstance(policy, RecoveryPolicy):
+            raise ValueError(f"policy must be a RecoveryPolicy, got {type(policy).__name__}")
+        failures = FailureSchedule() if failures is None else failures
+        if not isinstance(failures, FailureSchedule):
+            raise ValueError(f"failures must be a FailureSchedule, got {type(failures).__name__}")
+        failures.check(topology)
         self.spec = spec
         self.topology = topology
+        self.policy = policy
+        self.failures = failures
         self.backend = backend
         self.run_dir = RunDir(run_dir) if run_dir is not None else None
         self.progress = progress
@@ -119,7 +141,7 @@ class Trainer:
             threads_per_worker=threads_per_worker,
             eval_every=eval_every,
             eval_batches=max(1, eval_batches),
-            step_timeout_s=step_timeout_s,
+            work_dir=str(self.run_dir.file("checkpoints")) if self.run_dir else None,
         )
 
     def fit(self, steps: int) -> FitResult:
@@ -131,6 +153,7 @@ class Trainer:
         """
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be a positive integer, got {steps!r}")
+        self.failures.check(self.topology, steps)
         bar = _ProgressBar(steps, enabled=self.progress)
         run_dir = self.run_dir
 
@@ -139,7 +162,20 @@ class Trainer:
             if run_dir is not None:
                 run_dir.append("metrics.jsonl", record.to_dict())
 
-        controller = Controller(self.spec, self.topology, self.config, on_step=on_step)
+        def on_event(event: RecoveryEvent) -> None:
+            bar.note(f"recovered step {event.step} ({event.strategy}) in {event.seconds:.2f} s")
+            if run_dir is not None:
+                run_dir.append("events.jsonl", event.to_dict())
+
+        controller = Controller(
+            self.spec,
+            self.topology,
+            self.config,
+            policy=self.policy,
+            failures=self.failures,
+            on_step=on_step,
+            on_event=on_event,
+        )
         if run_dir is not None:
             run_dir.write_json("config.json", self._describe(steps))
         t0 = time.perf_counter()
@@ -154,9 +190,9 @@ class Trainer:
             controller.shutdown()
         metrics = [r.to_dict() for r in controller.records]
         result = FitResult(
-            losses=[r.loss for r in controller.records],
+            losses=final_trajectory(controller.records),
             metrics=metrics,
-            events=[],
+            events=list(controller.events),
             wall_s=wall_s,
             startup_s=startup_s,
             run_dir=run_dir.path if run_dir else None,
@@ -164,7 +200,12 @@ class Trainer:
         )
         if run_dir is not None:
             run_dir.write_json("summary.json", self._summary(result))
-            plot_loss(metrics, [], run_dir.file("loss.png"), title=self._title())
+            plot_loss(
+                metrics,
+                [e.to_dict() for e in result.events],
+                run_dir.file("loss.png"),
+                title=self._title(),
+            )
         return result
 
     def _title(self) -> str:
@@ -185,6 +226,10 @@ class Trainer:
             "topology": {"stages": self.topology.stages, "replicas": self.topology.replicas},
             "backend": self.backend,
             "steps": steps,
+            "policy": {
+                f.name: repr(getattr(self.policy, f.name)) for f in dataclasses.fields(self.policy)
+            },
+            "failures": str(self.failures),
         }
 
     def _summary(self, result: FitResult) -> dict[str, Any]:
@@ -202,7 +247,9 @@ class Trainer:
                 if result.metrics
                 else None
             ),
-            "events": len(result.events),
+            "recoveries": len(result.events),
+            "recovery_seconds": sum(e.seconds for e in result.events),
+            "lost_steps": sum(e.lost_steps for e in result.events),
         }
 
 
@@ -223,6 +270,10 @@ class _ProgressBar:
                 postfix["val"] = f"{record.val_loss:.3f}"
             self._bar.set_postfix(postfix, refresh=False)
             self._bar.update(1)
+
+    def note(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.write(text)
 
     def close(self) -> None:
         if self._bar is not None:

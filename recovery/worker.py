@@ -17,8 +17,10 @@ is also its data cursor.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import socket
+import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -30,7 +32,10 @@ from parallelism.engine import StageEngine, StepStats
 from parallelism.schedule import Schedule, build_schedule, forward_only
 from parallelism.seeding import seed_everything
 from parallelism.topology import Topology
+from recovery.checkpoint import load_checkpoint, save_checkpoint
+from recovery.faults import Fault, Hang, Kill, KillPoint
 from recovery.spec import BatchFn, TrainSpec, apply_lr_schedule
+from recovery.transfer import recv_state, send_state
 
 # Substrings by which a backend error reveals a dead or departed peer, as opposed to a
 # bug in user code (which must stop the job, not trigger recovery).
@@ -87,22 +92,19 @@ class StageWorker:
         self.comm: StageComm | None = None
         self.generation = -1
         self.step = 0
+        self._faults: list[Kill | Hang] = []
+        self._activity = ("idle", time.time())
 
     # -- identity ------------------------------------------------------------------------
 
     def info(self) -> WorkerInfo:
-        node_id = ""
-        host = "127.0.0.1"
-        try:
-            import ray
+        """This worker's process id, Ray node and node address (127.0.0.1 outside Ray)."""
+        import ray
 
-            if ray.is_initialized():
-                ctx = ray.get_runtime_context()
-                node_id = ctx.get_node_id()
-                host = ray.util.get_node_ip_address()
-        except Exception:  # outside Ray (tests calling the class directly)
-            host = socket.gethostbyname("localhost")
-        return WorkerInfo(pid=os.getpid(), node_id=node_id, host=host)
+        if not ray.is_initialized():
+            return WorkerInfo(pid=os.getpid(), node_id="", host="127.0.0.1")
+        node_id = ray.get_runtime_context().get_node_id()
+        return WorkerInfo(pid=os.getpid(), node_id=node_id, host=ray.util.get_node_ip_address())
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -118,6 +120,7 @@ class StageWorker:
         self.device = device_for(backend)
         self.module = spec.build(self.stage, topology.stages).to(self.device)
         self.optimizer = spec.make_optimizer(self.module.parameters())
+        self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]
         self.schedule = build_schedule(spec.schedule, topology.stages, spec.microbatches)
         self.eval_schedule = forward_only(topology.stages, spec.microbatches)
         self.engine = StageEngine(
@@ -146,11 +149,21 @@ class StageWorker:
             self.comm.close()
             self.comm = None
 
+    def reset(self) -> None:
+        """Drop the job: process groups, module, optimizer. The process stays warm for reuse."""
+        self.leave()
+        self.spec = None
+        for name in ("module", "optimizer", "engine"):
+            self.__dict__.pop(name, None)
+        self.generation = -1
+        self.step = 0
+
     # -- the two phases ------------------------------------------------------------------
 
-    def run_step(self, step: int) -> StepReport:
+    def run_step(self, step: int, faults: tuple[Fault, ...] = ()) -> StepReport:
         """Phase one: forward, backward and gradient all-reduce of ``step``; apply nothing.
 
+        ``faults`` are injected failures to fire at their points of this step or its commit.
         Returns a failed report (and tears down this generation) on a communication error.
 
         Raises:
@@ -162,6 +175,8 @@ class StageWorker:
             raise RuntimeError(
                 f"worker {self.rank} is at step {self.step}, asked to run step {step}"
             )
+        self._faults = [f for f in faults if isinstance(f, Kill | Hang) and f.step == step]
+        self._activity = ("step", time.time())
         self.optimizer.zero_grad(set_to_none=True)
         seed_everything(self.spec.seed, "step", self.stage, self.replica, step)
         inputs, targets = self._data(self.spec.batches, step, self.schedule)
@@ -169,6 +184,8 @@ class StageWorker:
             stats = self.engine.run(self.schedule, self.comm, inputs, targets, self._hook)
         except Exception as exc:
             return self._failed(step, exc)
+        finally:
+            self._activity = ("idle", time.time())
         return StepReport(rank=self.rank, step=step, ok=True, stats=stats)
 
     def commit(self, step: int) -> int:
@@ -180,10 +197,13 @@ class StageWorker:
         assert self.spec is not None, "setup() first"
         if step != self.step:
             raise RuntimeError(f"worker {self.rank} is at step {self.step}, asked to commit {step}")
-        apply_lr_schedule(self.optimizer, self.spec.lr_schedule, step)
+        self._hook(KillPoint.BEFORE_COMMIT.value)
+        apply_lr_schedule(self.optimizer, self.spec.lr_schedule, step, self.base_lrs)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step = step + 1
+        self._hook(KillPoint.AFTER_COMMIT.value)
+        self._faults = []
         return self.step
 
     def abandon(self, step: int) -> None:
@@ -233,7 +253,76 @@ class StageWorker:
         return StepReport(rank=self.rank, step=step, ok=False, error=detail)
 
     def _hook(self, point: str) -> None:
-        """Called by the engine at named points inside a step (failure injection uses it)."""
+        """Called at named points inside a step: fires the injected faults armed for it."""
+        for fault in self._faults:
+            if fault.at.value != point:
+                continue
+            self._record_fault_time()
+            if isinstance(fault, Kill):
+                os.kill(os.getpid(), signal.SIGKILL)  # a real death: no cleanup, no goodbye
+            self._activity = ("hung", time.time())
+            threading.Event().wait()  # a hang: the process lives on and does nothing
+
+    def _record_fault_time(self) -> None:
+        """Leave the wall-clock time of an injected fault in the store, for detection timing."""
+        if self.comm is not None:
+            with contextlib.suppress(Exception):
+                self.comm.store.set(f"fault/{self.rank}", repr(time.time()))
+
+    # -- recovery ------------------------------------------------------------------------
+
+    def probe(self) -> dict[str, object]:
+        """What the worker is doing right now (answered from a separate thread).
+
+        ``waiting_on`` is the peer rank a communication call is blocked on, if any: a worker
+        blocked on a peer is a victim of a hang, not its cause.
+        """
+        kind, since = self._activity
+        waiting = self.comm.waiting_on if self.comm is not None else None
+        return {"activity": kind, "since": since, "waiting_on": waiting, "step": self.step}
+
+    def prepare_recovery(self) -> int:
+        """Abandon the uncommitted step and leave the generation. Returns the committed step."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._faults = []
+        self.leave()
+        return self.step
+
+    def send_state(self, dsts: list[int]) -> int:
+        """Send this worker's state to each rank in ``dsts``, in turn. Returns bytes sent."""
+        assert self.comm is not None
+        return sum(
+            send_state(self.comm, dst, self.module, self.optimizer, self.step) for dst in dsts
+        )
+
+    def recv_state(self, src: int) -> tuple[int, int]:
+        """Become a copy of rank ``src``'s state. Returns ``(step, bytes received)``."""
+        assert self.comm is not None
+        self.step, received = recv_state(self.comm, src, self.module, self.optimizer)
+        return self.step, received
+
+    def warm(self, spec: TrainSpec, topology: Topology, backend: str) -> float:
+        """Pay a worker's one-time costs ahead of need (a hot spare): build a stage, run an
+        optimizer step, form a one-worker process group. Returns seconds taken."""
+        start = time.perf_counter()
+        self.setup(spec, topology, 0, backend)
+        for p in self.module.parameters():
+            p.grad = torch.zeros_like(p)
+        self.optimizer.step()
+        self.reset()
+        return time.perf_counter() - start
+
+    def save_checkpoint(self, root: str, step: int) -> float:
+        """Write this worker's state to a checkpoint (the ``restart`` baseline). Returns seconds."""
+        start = time.perf_counter()
+        assert step == self.step, (step, self.step)
+        save_checkpoint(root, self.rank, self.module, self.optimizer, self.step)
+        return time.perf_counter() - start
+
+    def load_checkpoint(self, root: str, step: int) -> int:
+        """Load this worker's checkpoint of ``step``. Returns the step."""
+        self.step = load_checkpoint(root, self.rank, step, self.module, self.optimizer)
+        return self.step
 
 
 def _to_cpu(obj: object) -> object:

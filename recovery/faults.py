@@ -1,0 +1,235 @@
+"""Failure injection as library code: the same `FailureSchedule` drives tests, CLI and experiments.
+
+Deaths are real: a killed worker's process exits with SIGKILL at the chosen point inside
+the chosen step, exactly as a crashed GPU host would vanish; a hung worker stops making
+progress while its process stays alive. Each fault fires once: after the job recovers
+and re-runs the step, the replacement worker is not killed again.
+
+Text form (``scripts/train.py --failures``), faults separated by ``;``::
+
+    kill:step=20,stage=1,replica=0[,at=mid_pipeline]
+    hang:step=30,stage=2,replica=1
+    killnode:step=40,node=1
+    poisson:rate=0.02[,seed=0]      # per-worker-step probability, drawn once up front
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from parallelism.topology import Topology
+
+
+class KillPoint(str, enum.Enum):
+    """Where inside a step a fault strikes."""
+
+    BEFORE_FORWARD = "before_forward"
+    """At the start of the step, before any microbatch."""
+    MID_PIPELINE = "mid_pipeline"
+    """Half-way through the stage's schedule, with microbatches in flight."""
+    DURING_ALLREDUCE = "during_allreduce"
+    """After the gradient all-reduce was started, before it completed."""
+    BEFORE_COMMIT = "before_commit"
+    """After reporting ready, when told to commit, before applying the step."""
+    AFTER_COMMIT = "after_commit"
+    """Right after applying the step, before acknowledging it."""
+
+
+def _non_negative(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Kill:
+    """SIGKILL worker ``(stage, replica)`` at point ``at`` of step ``step``."""
+
+    step: int
+    stage: int
+    replica: int
+    at: KillPoint = KillPoint.BEFORE_FORWARD
+
+    def __post_init__(self) -> None:
+        for name in ("step", "stage", "replica"):
+            _non_negative(name, getattr(self, name))
+        object.__setattr__(self, "at", _point(self.at))
+
+    def __str__(self) -> str:
+        return f"kill:step={self.step},stage={self.stage},replica={self.replica},at={self.at.value}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hang:
+    """Make worker ``(stage, replica)`` stop making progress at ``at`` of step ``step``."""
+
+    step: int
+    stage: int
+    replica: int
+    at: KillPoint = KillPoint.BEFORE_FORWARD
+
+    def __post_init__(self) -> None:
+        for name in ("step", "stage", "replica"):
+            _non_negative(name, getattr(self, name))
+        object.__setattr__(self, "at", _point(self.at))
+
+    def __str__(self) -> str:
+        return f"hang:step={self.step},stage={self.stage},replica={self.replica},at={self.at.value}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class KillNode:
+    """SIGKILL every worker on the job's ``node``-th Ray node (in node-id order) at step ``step``."""
+
+    step: int
+    node: int
+
+    def __post_init__(self) -> None:
+        _non_negative("step", self.step)
+        _non_negative("node", self.node)
+
+    def __str__(self) -> str:
+        return f"killnode:step={self.step},node={self.node}"
+
+
+Fault = Kill | Hang | KillNode
+
+
+def _point(value: object) -> KillPoint:
+    try:
+        return KillPoint(value)
+    except ValueError:
+        known = ", ".join(p.value for p in KillPoint)
+        raise ValueError(f"unknown kill point {value!r}; choose one of {known}") from None
+
+
+class FailureSchedule:
+    """An ordered set of faults to inject.
+
+    Raises:
+        ValueError: for something that is not a fault.
+    """
+
+    def __init__(self, faults: Iterable[Fault] = ()) -> None:
+        self.faults: tuple[Fault, ...] = tuple(faults)
+        for fault in self.faults:
+            if not isinstance(fault, Kill | Hang | KillNode):
+                raise ValueError(f"not a fault: {fault!r} (use Kill, Hang or KillNode)")
+
+    def __iter__(self) -> Iterator[Fault]:
+        return iter(self.faults)
+
+    def __len__(self) -> int:
+        return len(self.faults)
+
+    def __str__(self) -> str:
+        return ";".join(str(f) for f in self.faults)
+
+    def __repr__(self) -> str:
+        return f"FailureSchedule({list(self.faults)!r})"
+
+    def check(self, topology: Topology, steps: int | None = None) -> None:
+        """Validate against a job.
+
+        Raises:
+            ValueError: naming a fault whose worker is outside ``topology`` or whose step
+                is outside ``0..steps-1``.
+        """
+        for fault in self.faults:
+            if steps is not None and fault.step >= steps:
+                raise ValueError(f"{fault}: step {fault.step} is outside a job of {steps} steps")
+            if isinstance(fault, Kill | Hang) and (
+                fault.stage >= topology.stages or fault.replica >= topology.replicas
+            ):
+                raise ValueError(
+                    f"{fault}: worker ({fault.stage},{fault.replica}) is outside a {topology} job"
+                )
+
+    @classmethod
+    def poisson(
+        cls, topology: Topology, steps: int, rate: float, *, seed: int = 0
+    ) -> FailureSchedule:
+        """Kill each worker in each step independently with probability ``rate``.
+
+        Kills land at a uniformly drawn point of the step. Drawn once, deterministically.
+
+        Raises:
+            ValueError: if ``rate`` is not in [0, 1].
+        """
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"poisson rate must be a probability in [0, 1], got {rate}")
+        rng = random.Random(seed)
+        points = list(KillPoint)
+        faults: list[Fault] = []
+        for step in range(steps):
+            for worker in topology.workers():
+                if rng.random() < rate:
+                    faults.append(
+                        Kill(
+                            step=step,
+                            stage=worker.stage,
+                            replica=worker.replica,
+                            at=rng.choice(points),
+                        )
+                    )
+        return cls(faults)
+
+    @classmethod
+    def parse(cls, text: str, *, topology: Topology, steps: int) -> FailureSchedule:
+        """Read the text form (see the module docstring).
+
+        Raises:
+            ValueError: for an unknown fault kind or field, or a malformed value.
+        """
+        faults: list[Fault] = []
+        for part in (p.strip() for p in text.split(";")):
+            if not part or part == "none":
+                continue
+            kind, _, rest = part.partition(":")
+            fields: dict[str, str] = {}
+            for item in filter(None, (x.strip() for x in rest.split(","))):
+                key, eq, value = item.partition("=")
+                if not eq:
+                    raise ValueError(f"malformed field {item!r} in {part!r}; expected key=value")
+                fields[key.strip()] = value.strip()
+            try:
+                if kind == "poisson":
+                    faults.extend(
+                        cls.poisson(
+                            topology,
+                            steps,
+                            float(fields.pop("rate")),
+                            seed=int(fields.pop("seed", "0")),
+                        )
+                    )
+                elif kind in ("kill", "hang"):
+                    fault_type = Kill if kind == "kill" else Hang
+                    faults.append(
+                        fault_type(
+                            step=int(fields.pop("step")),
+                            stage=int(fields.pop("stage")),
+                            replica=int(fields.pop("replica", "0")),
+                            at=_point(fields.pop("at", KillPoint.BEFORE_FORWARD.value)),
+                        )
+                    )
+                elif kind == "killnode":
+                    faults.append(
+                        KillNode(step=int(fields.pop("step")), node=int(fields.pop("node")))
+                    )
+                else:
+                    raise ValueError(
+                        f"unknown fault kind {kind!r} in {part!r}; use kill, hang, killnode or poisson"
+                    )
+            except KeyError as missing:
+                raise ValueError(f"{part!r} needs a value for {missing}") from None
+            except ValueError as exc:
+                if str(exc).startswith(("unknown", "poisson", "step", "stage", "replica", "node")):
+                    raise
+                raise ValueError(f"malformed value in {part!r}: {exc}") from None
+            if fields:
+                raise ValueError(f"unknown field(s) {sorted(fields)} in {part!r}")
+        schedule = cls(faults)
+        schedule.check(topology, steps)
+        return schedule

@@ -1,0 +1,118 @@
+"""Worker-to-worker state transfer over the process group: no files, nothing through the driver.
+
+A worker's state is its stage's module state (parameters and buffers), its optimizer
+state and its step counter. The source sends a small pickled description first (names,
+shapes, dtypes, optimizer hyper-parameters, the step), then every tensor as-is; the
+destination receives each tensor straight into its own parameter or a freshly allocated
+optimizer buffer -- no flattening copy on either side. RNG state needs no bytes: every
+random draw is derived from ``(seed, stage, replica, step)`` (see ``parallelism/seeding.py``).
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallelism.comm import StageComm
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    bytes: int
+    seconds: float
+
+
+def _tensor_meta(t: torch.Tensor) -> tuple[str, tuple[int, ...], str]:
+    return ("tensor", tuple(t.shape), str(t.dtype).removeprefix("torch."))
+
+
+def _describe(
+    module: nn.Module, optimizer: torch.optim.Optimizer, step: int
+) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    model = module.state_dict()
+    opt = optimizer.state_dict()
+    tensors: list[torch.Tensor] = list(model.values())
+    state_meta: dict[int, dict[str, Any]] = {}
+    for index, entry in opt["state"].items():
+        state_meta[index] = {}
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() == 0:
+                # Scalars (Adam's step count) may live on the CPU even on a GPU worker,
+                # where the backend cannot send them; they travel inside the description.
+                state_meta[index][key] = ("scalar", value.detach().cpu().clone())
+            elif isinstance(value, torch.Tensor):
+                state_meta[index][key] = _tensor_meta(value)
+                tensors.append(value)
+            else:
+                state_meta[index][key] = ("value", value)
+    meta = {
+        "model": [(k, *_tensor_meta(v)[1:]) for k, v in model.items()],
+        "optimizer": {"state": state_meta, "param_groups": opt["param_groups"]},
+        "step": step,
+    }
+    return meta, tensors
+
+
+def send_state(
+    comm: StageComm, dst: int, module: nn.Module, optimizer: torch.optim.Optimizer, step: int
+) -> int:
+    """Send this worker's full state to global rank ``dst``. Returns the bytes sent."""
+    meta, tensors = _describe(module, optimizer, step)
+    blob = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8)
+    comm.isend(torch.tensor([blob.numel()], dtype=torch.int64, device=comm.device), dst)
+    comm.isend(blob.to(comm.device), dst)
+    for t in tensors:
+        comm.isend(t.detach(), dst)
+    comm.wait_sends()
+    return int(blob.numel() + sum(t.numel() * t.element_size() for t in tensors))
+
+
+def recv_state(
+    comm: StageComm, src: int, module: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[int, int]:
+    """Replace this worker's state with the one global rank ``src`` sends.
+
+    Returns ``(step, bytes received)``.
+
+    Raises:
+        RuntimeError: if the source's module does not match this worker's (a different
+            stage or model), before any parameter is overwritten.
+    """
+    size = comm.recv(torch.empty(1, dtype=torch.int64, device=comm.device), src)
+    blob = comm.recv(torch.empty(int(size.item()), dtype=torch.uint8, device=comm.device), src)
+    meta = pickle.loads(blob.cpu().numpy().tobytes())
+    model = module.state_dict()
+    expected = [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in model.items()]
+    received = [(k, tuple(shape), dtype) for k, shape, dtype in meta["model"]]
+    if expected != received:
+        raise RuntimeError(
+            f"state from rank {src} does not match this stage's module: {received[:3]}... vs {expected[:3]}..."
+        )
+    total = int(blob.numel())
+    for key, _, _ in meta["model"]:
+        comm.recv(model[key], src)  # state_dict tensors share storage with the parameters
+        total += model[key].numel() * model[key].element_size()
+    state: dict[int, dict[str, Any]] = {}
+    for index, entry in meta["optimizer"]["state"].items():
+        state[index] = {}
+        for key, (kind, *rest) in entry.items():
+            if kind == "tensor":
+                shape, dtype = rest
+                t = torch.empty(shape, dtype=getattr(torch, dtype), device=comm.device)
+                comm.recv(t, src)
+                state[index][key] = t
+                total += t.numel() * t.element_size()
+            else:  # a scalar tensor or a plain value, carried in the description
+                state[index][key] = rest[0]
+    optimizer.load_state_dict({"state": state, "param_groups": meta["optimizer"]["param_groups"]})
+    return int(meta["step"]), total
+
+
+def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of a worker's state (what a transfer moves, less the small description)."""
+    _, tensors = _describe(module, optimizer, 0)
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,175 @@
+"""Benchmarks, measured side by side in one run and printed as tables.
+
+    python scripts/bench.py throughput     # framework overhead and pipeline bubbles
+
+Every figure is measured by this run on this machine; nothing is copied from elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
+
+import torch
+
+from parallelism import Topology
+from parallelism.schedule import theoretical_bubble
+from recovery import Trainer, TrainSpec
+from recovery.reference import train_reference
+
+
+def machine() -> str:
+    return f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.python_version()}"
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    body = [
+        "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in rows
+    ]
+    return "\n".join([line, sep, *body])
+
+
+def model_spec(
+    args: argparse.Namespace, *, schedule: str = "1f1b", microbatches: int | None = None
+) -> TrainSpec:
+    return TrainSpec.llama(
+        preset=args.preset,
+        seq_len=args.seq_len,
+        microbatch_size=args.microbatch_size,
+        microbatches=microbatches or args.microbatches,
+        schedule=schedule,
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        max_seq_len=args.seq_len,
+    )
+
+
+def _median_after_warmup(values: list[float], warmup: int) -> float:
+    return statistics.median(values[warmup:] if len(values) > warmup else values)
+
+
+def throughput(args: argparse.Namespace) -> None:
+    """Steps/s and tokens/s of a PP x DP job, a 1x1 job and plain training; pipeline bubbles."""
+    steps, warm = args.steps, min(3, args.steps // 3)
+    rows: list[list[str]] = []
+    spec = model_spec(args)
+    tokens_per_replica = args.microbatches * args.microbatch_size * args.seq_len
+
+    def ray_row(name: str, top: Topology) -> float:
+        result = Trainer(spec, topology=top, collect_states=False).fit(steps)
+        step_s = _median_after_warmup([m["step_s"] for m in result.metrics], warm)
+        tokens = tokens_per_replica * top.replicas
+        rows.append([name, f"{1 / step_s:.2f}", f"{tokens / step_s:,.0f}", f"{step_s * 1e3:.0f}"])
+        return step_s
+
+    def plain_row(name: str, replicas: int, fn: Callable[[], list[float]]) -> float:
+        step_s = _median_after_warmup(fn(), warm)
+        tokens = tokens_per_replica * replicas
+        rows.append([name, f"{1 / step_s:.2f}", f"{tokens / step_s:,.0f}", f"{step_s * 1e3:.0f}"])
+        return step_s
+
+    torch.set_num_threads(1)
+    print(f"machine: {machine()}")
+    params = sum(p.numel() for s in range(1) for p in spec.build(s, 1).parameters())
+    print(
+        f"model: {spec.name} dim={args.dim} layers={args.layers} ({params / 1e6:.1f}M parameters), "
+        f"{args.microbatches} microbatches x {args.microbatch_size} x {args.seq_len} tokens per replica\n"
+    )
+    plain = plain_row(
+        "plain single process, 1 thread",
+        1,
+        lambda: train_reference(spec, stages=1, replicas=1, steps=steps).step_s,
+    )
+    one = ray_row("Ray 1x1 (1 worker, 1 thread)", Topology(1, 1))
+    ray_row(f"Ray {args.stages}x{args.replicas}", Topology(args.stages, args.replicas))
+    print(table(["run", "steps/s", "tokens/s", "ms/step"], rows))
+    print(
+        f"\nframework overhead, Ray 1x1 vs plain: {100 * (one / plain - 1):+.1f}% time per step\n"
+    )
+
+    bubble_rows = []
+    for stages in (2, 4):
+        for schedule in ("gpipe", "1f1b"):
+            for mb in (4, 8):
+                s = model_spec(args, schedule=schedule, microbatches=mb)
+                result = Trainer(s, topology=Topology(stages, 1), collect_states=False).fit(steps)
+                measured = _measured_bubble(result.metrics, warm)
+                theory = theoretical_bubble(stages, mb)
+                bubble_rows.append(
+                    [
+                        f"{stages}x1",
+                        schedule,
+                        str(mb),
+                        f"{theory:.3f}",
+                        f"{measured:.3f}",
+                        f"{100 * (measured - theory) / theory:+.0f}%",
+                    ]
+                )
+    print(
+        table(
+            [
+                "pipeline",
+                "schedule",
+                "microbatches",
+                "bubble (theory)",
+                "bubble (measured)",
+                "diff",
+            ],
+            bubble_rows,
+        )
+    )
+    print(
+        "\nmeasured bubble = 1 - (forward+backward compute seconds) / (schedule wall seconds), "
+        "summed over stages; theory = (S-1)/(M+S-1)."
+    )
+    if os.cpu_count() and os.cpu_count() < 4:  # type: ignore[operator]
+        print(
+            f"note: {os.cpu_count()} cores -- a 4-stage pipeline shares cores, which inflates its bubble."
+        )
+
+
+def _measured_bubble(metrics: list[dict[str, object]], warm: int) -> float:
+    fractions = [float(m["bubble"]) for m in metrics[warm:] if m.get("bubble") is not None]  # type: ignore[arg-type]
+    return statistics.median(fractions) if fractions else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("throughput", help="framework overhead and pipeline bubbles")
+    for q in (t,):
+        q.add_argument(
+            "--preset", default="tiny", help="model preset (default tiny, resized below)"
+        )
+        q.add_argument("--dim", type=int, default=128, help="model width")
+        q.add_argument("--layers", type=int, default=8, help="transformer blocks")
+        q.add_argument("--heads", type=int, default=4, help="attention heads")
+        q.add_argument("--seq-len", type=int, default=128, help="tokens per sample")
+        q.add_argument("--microbatches", type=int, default=4, help="microbatches per replica")
+        q.add_argument("--microbatch-size", type=int, default=4, help="samples per microbatch")
+        q.add_argument("--stages", type=int, default=4, help="stages of the PP x DP job")
+        q.add_argument("--replicas", type=int, default=2, help="replicas of the PP x DP job")
+        q.add_argument("--steps", type=int, default=12, help="steps per measured run")
+    args = p.parse_args(argv)
+    start = time.perf_counter()
+    {"throughput": throughput}[args.command](args)
+    print(f"\n(bench took {time.perf_counter() - start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""The main job from the command line: embedded local Ray, and a real `ray job submit`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--stages", "2", "--replicas", "2", "--layers", "2", "--dim", "32", "--seq-len", "32",
+        "--steps", "6", "--eval-every", "3", "--no-progress"]  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _check_run(out: Path) -> None:
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 6
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 6
+    assert (out / "loss.png").exists()
+
+
+@pytest.mark.ray
+@pytest.mark.usefixtures("ray_local")
+def test_train_script_on_embedded_local_ray(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import train
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    assert train.main([*TINY, "--out", str(tmp_path / "run")]) == 0
+    assert "validation loss" in capsys.readouterr().out
+    _check_run(tmp_path / "run")
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_ray_job_submit_of_the_train_script(tmp_path: Path) -> None:
+    """`ray start --head` on 127.0.0.1, `ray job submit` of scripts/train.py, `ray stop`."""
+    import ray
+
+    from recovery.pool import POOL
+
+    if ray.is_initialized():  # `ray stop` would take the session's embedded Ray down anyway
+        POOL.clear()
+        ray.shutdown()
+    ray_bin = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
+    # Auth off so a stale ~/.ray/auth_token cannot matter; cluster mode off keeps Ray on loopback.
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env.pop("RAY_ADDRESS", None)
+    gcs, dash = _free_port(), _free_port()
+    start = [ray_bin, "start", "--head", "--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1",
+             "--port", str(gcs), "--dashboard-port", str(dash), "--disable-usage-stats"]  # fmt: skip
+    subprocess.run(start, env=env, check=True, capture_output=True, timeout=120)
+    try:
+        out = tmp_path / "job"
+        submit = [ray_bin, "job", "submit", "--address", f"http://127.0.0.1:{dash}", "--working-dir",
+                  str(ROOT), "--", "python", "scripts/train.py", *TINY, "--out", str(out)]  # fmt: skip
+        job = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=480, cwd=ROOT)
+        assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+        assert "succeeded" in job.stdout + job.stderr
+        _check_run(out)
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
