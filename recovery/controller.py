@@ -65,11 +65,16 @@ class Phase(enum.Enum):
 
 
 class _RemoteWorker(StageWorker):
-    """`StageWorker` as a Ray actor, with `probe` answered from its own control thread."""
+    """`StageWorker` as a Ray actor; `probe` and `abort` run on a separate control thread,
+    so they are answered while the worker is busy (or stuck) in a step."""
 
     @ray.method(concurrency_group="control")
     def probe(self) -> dict[str, object]:  # type: ignore[override]
         return StageWorker.probe(self)
+
+    @ray.method(concurrency_group="control")
+    def abort(self) -> None:  # type: ignore[override]
+        StageWorker.abort(self)
 
 
 _REMOTE_WORKER = ray.remote(concurrency_groups={"control": 1})(_RemoteWorker)  # type: ignore[call-overload]
@@ -373,9 +378,7 @@ class Controller:
     ) -> tuple[dict[int, StepReport], dict[int, BaseException], set[int]]:
         """Wait for a step's reports; kill hung workers (see [Note: failure detection])."""
         pending = list(refs.values())
-        _, not_ready = ray.wait(
-            pending, num_returns=len(pending), timeout=self.policy.hang_timeout_s
-        )
+        not_ready = self._wait_or_abort(refs, self.policy.hang_timeout_s)
         hung: set[int] = set()
         if not_ready:
             silent = [rank for rank, ref in refs.items() if ref in not_ready]
@@ -398,6 +401,30 @@ class Controller:
                         ray.kill(self.members[rank].actor, no_restart=True)
         results, errors = self._gather(refs, 10.0)
         return results, errors, hung
+
+    def _wait_or_abort(self, refs: dict[int, Any], timeout_s: float) -> list[Any]:
+        """Wait for every ref; at the first sign of failure, tell the rest to abort the step.
+
+        Without the abort, a survivor that is not connected to the dead worker would only
+        notice when the failure reaches it through the schedule -- e.g. a whole healthy
+        pipeline computing on until the gradient all-reduce. Returns the refs not ready.
+        """
+        waiting = dict(refs)
+        deadline = time.monotonic() + timeout_s
+        aborted = False
+        while waiting:
+            ready, _ = ray.wait(
+                list(waiting.values()), num_returns=1, timeout=max(0.0, deadline - time.monotonic())
+            )
+            if not ready:
+                break
+            for rank in [r for r, ref in waiting.items() if ref in ready]:
+                ref = waiting.pop(rank)
+                if not aborted and not _succeeded(ref):
+                    aborted = True
+                    for other in waiting:
+                        self.members[other].actor.abort.remote()
+        return list(waiting.values())
 
     def _find_hung(self, silent: list[int]) -> set[int]:
         """Among silent workers, those not blocked on a peer (all of them if none stands out)."""
@@ -768,6 +795,14 @@ class Controller:
         if errors:
             raise RecoveryError(_describe_errors(what, errors))
         return results
+
+
+def _succeeded(ref: Any) -> bool:
+    """Whether a finished step call returned a successful report."""
+    try:
+        return bool(ray.get(ref, timeout=0).ok)
+    except Exception:
+        return False
 
 
 def _first_line(exc: BaseException) -> str:

@@ -281,6 +281,16 @@ class StageWorker:
         waiting = self.comm.waiting_on if self.comm is not None else None
         return {"activity": kind, "since": since, "waiting_on": waiting, "step": self.step}
 
+    def abort(self) -> None:
+        """Abandon the running step from outside it: tear down this generation's groups.
+
+        Called from a control thread while ``run_step`` may be running: its next (or
+        current) communication fails, and peers blocked on this worker wake up.
+        """
+        comm = self.comm
+        if comm is not None:
+            comm.close()
+
     def prepare_recovery(self) -> int:
         """Abandon the uncommitted step and leave the generation. Returns the committed step."""
         self.optimizer.zero_grad(set_to_none=True)

@@ -1,10 +1,12 @@
-"""Train a LLaMA-style model with pipeline x data parallelism on Ray.
+"""Train a LLaMA-style model with pipeline x data parallelism on Ray, with failures injected.
 
-    python scripts/train.py                        # the default demo run
-    python scripts/train.py --stages 2 --replicas 2 --steps 50
+    python scripts/train.py                        # the default demo: 4x2, two workers killed
+    python scripts/train.py --stages 2 --replicas 2 --steps 50 --failures none
+    python scripts/train.py --failures "kill:step=20,stage=1,replica=0;poisson:rate=0.002"
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- python scripts/train.py
 
-Writes a run folder (``--out``) with metrics.jsonl, summary.json, config.json and loss.png.
+Writes a run folder (``--out``) with metrics.jsonl, events.jsonl, summary.json, config.json
+and loss.png (failures and recoveries marked), and prints a table of recoveries at the end.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 
 from parallelism import Topology
 from recovery import Trainer, TrainSpec
+from recovery.events import summary_table
+from recovery.faults import FailureSchedule, Kill, KillPoint
+from recovery.policy import RecoveryPolicy
 from recovery.rundir import RunDir
 
 
@@ -63,6 +68,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
     g.add_argument("--warmup", type=int, default=20, help="linear warmup steps")
     g.add_argument("--seed", type=int, default=0, help="seed for weights and data")
+    g = p.add_argument_group("failures and recovery")
+    g.add_argument(
+        "--failures",
+        default="auto",
+        help="faults to inject: 'auto' (kill worker (1,0) a third of the way in, mid-pipeline, and "
+        "(2,1) two thirds in, during the all-reduce), 'none', or a list like "
+        "'kill:step=20,stage=1,replica=0[,at=mid_pipeline];hang:step=30,stage=2,replica=1;"
+        "killnode:step=40,node=0;poisson:rate=0.002,seed=1'",
+    )
+    g.add_argument("--strategy", choices=["auto", "restart"], default="auto",
+                   help="auto: rebuild lost workers from live redundancy; restart: the checkpoint/restart baseline")  # fmt: skip
+    g.add_argument(
+        "--hot-spares", type=int, default=1, help="warm spare workers kept ready (default 1)"
+    )
+    g.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=120.0,
+        help="seconds without progress that count as a hang",
+    )
+    g.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=50,
+        help="restart baseline: checkpoint interval in steps",
+    )
     g = p.add_argument_group("run")
     g.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
     g.add_argument(
@@ -94,10 +125,19 @@ def main(argv: list[str] | None = None) -> int:
         **overrides,
     )
     topology = Topology(stages=args.stages, replicas=args.replicas)
+    failures = _failures(args.failures, topology, args.steps)
+    policy = RecoveryPolicy(
+        strategy=args.strategy,
+        hot_spares=args.hot_spares,
+        hang_timeout_s=args.hang_timeout,
+        checkpoint_every=args.checkpoint_every,
+    )
     run_dir = RunDir(args.out) if args.out else RunDir.new("runs", "train")
     trainer = Trainer(
         spec,
         topology=topology,
+        policy=policy,
+        failures=failures,
         backend=args.backend,
         run_dir=run_dir.path,
         progress=not args.no_progress,
@@ -118,7 +158,23 @@ def main(argv: list[str] | None = None) -> int:
         f"{result.steps_per_s:.2f} steps/s, startup {result.startup_s:.1f} s, total {total:.1f} s; "
         f"plot: {run_dir.file('loss.png')}"
     )
+    print("\nrecoveries:")
+    print(summary_table(result.events))
     return 0
+
+
+def _failures(text: str, topology: Topology, steps: int) -> FailureSchedule:
+    if text != "auto":
+        return FailureSchedule.parse(text, topology=topology, steps=steps)
+    faults = []
+    if topology.replicas > 1 and steps >= 3:
+        first = (min(1, topology.stages - 1), 0, KillPoint.MID_PIPELINE)
+        second = (min(2, topology.stages - 1), 1, KillPoint.DURING_ALLREDUCE)
+        for (stage, replica, at), step in zip(
+            (first, second), (steps // 3, 2 * steps // 3), strict=True
+        ):
+            faults.append(Kill(step=step, stage=stage, replica=replica, at=at))
+    return FailureSchedule(faults)
 
 
 if __name__ == "__main__":
