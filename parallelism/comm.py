@@ -279,6 +279,12 @@ class StageComm:
         self.wait(self.world.recv([tensor], src, 0), src)
         return tensor
 
+    def recv_many(self, tensors: list[torch.Tensor], src: int) -> None:
+        """Receive into each of ``tensors`` in order from ``src``, all receives posted at once."""
+        works = [self.world.recv([t], src, 0) for t in tensors]
+        for work in works:
+            self.wait(work, src)
+
     def wait(self, work: dist.Work, peer: int = -1) -> None:
         """Wait for ``work``, noting whom we wait for (see `waiting_on`)."""
         self.waiting_on = peer

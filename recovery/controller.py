@@ -200,6 +200,7 @@ class Controller:
                 or tempfile.mkdtemp(prefix="checkfree-ckpt-")
             )
         self.assignment = place(self.topology, self.job_nodes)
+        warming = self._start_spares(self.policy.hot_spares)
         self.members = self._start_workers(self.assignment)
         self._call(
             {rank: m.actor for rank, m in self.members.items()},
@@ -208,7 +209,11 @@ class Controller:
             timeout_s=self.config.start_timeout_s,
             what="build stages",
         )
-        self._start_spares(self.policy.hot_spares)
+        # Spares are ready before the first step: a spare still importing torch is no spare.
+        _, failed = self._gather(warming, self.config.start_timeout_s)
+        if failed:
+            log.warning("%d hot spare(s) failed to start; continuing without them", len(failed))
+            self._spares = [sp for i, sp in enumerate(self._spares) if i not in failed]
         self.form_generation()
         self.started_at = time.perf_counter()
         self.started_wall = time.time()
@@ -256,14 +261,21 @@ class Controller:
             raise RecoveryError(_describe_errors("start workers", errors))
         return {rank: Member(rank, actors[rank], infos[rank]) for rank in actors}
 
-    def _start_spares(self, count: int) -> None:
-        """Start ``count`` hot spares (spread over nodes) and warm them up, without waiting."""
+    def _start_spares(self, count: int) -> dict[int, Any]:
+        """Start ``count`` hot spares (spread over nodes) and warm them up, without waiting.
+
+        Returns the warm-up calls, keyed by index in ``self._spares``.
+        """
         nodes = [n for n in self.job_nodes if n not in self.lost_nodes] or self.job_nodes
-        for i in range(count):
-            node = nodes[(len(self._spares) + i) % len(nodes)]
+        refs: dict[int, Any] = {}
+        for _ in range(max(0, count)):
+            node = nodes[len(self._spares) % len(nodes)]
             actor = POOL.take(node, self._pool_key) or self._new_actor(node)
-            actor.warm.remote(self.spec, self.topology, self.config.backend)
+            refs[len(self._spares)] = actor.warm.remote(
+                self.spec, self.topology, self.config.backend
+            )
             self._spares.append((actor, node))
+        return refs
 
     def form_generation(self) -> float:
         """Tear down the current process groups everywhere and form the next generation.

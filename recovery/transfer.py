@@ -92,23 +92,25 @@ def recv_state(
         raise RuntimeError(
             f"state from rank {src} does not match this stage's module: {received[:3]}... vs {expected[:3]}..."
         )
-    total = int(blob.numel())
-    for key, _, _ in meta["model"]:
-        comm.recv(model[key], src)  # state_dict tensors share storage with the parameters
-        total += model[key].numel() * model[key].element_size()
+    # Allocate every destination first, then post all receives at once so that the bytes
+    # stream without a round trip per tensor. Model tensors are received in place: the
+    # state_dict's tensors share storage with the parameters.
+    targets: list[torch.Tensor] = [model[key] for key, _, _ in meta["model"]]
     state: dict[int, dict[str, Any]] = {}
     for index, entry in meta["optimizer"]["state"].items():
         state[index] = {}
         for key, (kind, *rest) in entry.items():
             if kind == "tensor":
                 shape, dtype = rest
-                t = torch.empty(shape, dtype=getattr(torch, dtype), device=comm.device)
-                comm.recv(t, src)
-                state[index][key] = t
-                total += t.numel() * t.element_size()
+                state[index][key] = torch.empty(
+                    shape, dtype=getattr(torch, dtype), device=comm.device
+                )
+                targets.append(state[index][key])
             else:  # a scalar tensor or a plain value, carried in the description
                 state[index][key] = rest[0]
+    comm.recv_many(targets, src)
     optimizer.load_state_dict({"state": state, "param_groups": meta["optimizer"]["param_groups"]})
+    total = int(blob.numel()) + sum(t.numel() * t.element_size() for t in targets)
     return int(meta["step"]), total
 
 

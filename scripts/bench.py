@@ -1,6 +1,7 @@
 """Benchmarks, measured side by side in one run and printed as tables.
 
     python scripts/bench.py throughput     # framework overhead and pipeline bubbles
+    python scripts/bench.py recovery       # kill -> first committed step: replica_copy vs restart
 
 Every figure is measured by this run on this machine; nothing is copied from elsewhere.
 """
@@ -145,6 +146,178 @@ def _measured_bubble(metrics: list[dict[str, object]], warm: int) -> float:
     return statistics.median(fractions) if fractions else float("nan")
 
 
+def recovery(args: argparse.Namespace) -> None:
+    """Kill one worker of a 4x2 job; time until training is back, per strategy, side by side."""
+    import random
+
+    from recovery.faults import FailureSchedule, Kill, KillPoint
+    from recovery.policy import RecoveryPolicy
+
+    print(f"machine: {machine()}")
+    rng = random.Random(args.seed)
+    top = Topology(args.stages, args.replicas)
+    rows: list[list[str]] = []
+    transfer_rows: list[list[str]] = []
+    for preset in args.presets.split(","):
+        spec = TrainSpec.llama(
+            preset=preset,
+            seq_len=args.seq_len,
+            microbatch_size=1,
+            microbatches=args.microbatches,
+            max_seq_len=max(args.seq_len, 64),
+        )
+        params = sum(
+            p.numel() for s in range(top.stages) for p in spec.build(s, top.stages).parameters()
+        )
+        kill = Kill(step=args.kill_step, stage=1, replica=0, at=KillPoint.MID_PIPELINE)
+        cases = [
+            ("replica_copy, cold start", RecoveryPolicy(), kill, args.kill_step + 3),
+            ("replica_copy, warm spare", RecoveryPolicy(hot_spares=1), kill, args.kill_step + 3),
+        ]
+        lost = rng.randrange(1, args.restart_every)
+        restart_kill = Kill(
+            step=args.restart_every + lost, stage=1, replica=0, at=KillPoint.MID_PIPELINE
+        )
+        cases.append(
+            (
+                f"restart, checkpoint every {args.restart_every}",
+                RecoveryPolicy(strategy="restart", checkpoint_every=args.restart_every),
+                restart_kill,
+                restart_kill.step + 2,
+            )
+        )
+        print(f"\n{preset}: {params / 1e6:.1f}M parameters, {top} workers", flush=True)
+        for name, policy, fault, steps in cases:
+            result = Trainer(
+                spec,
+                topology=top,
+                policy=policy,
+                failures=FailureSchedule([fault]),
+                collect_states=False,
+            ).fit(steps)
+            (event,) = result.events
+            step_s = statistics.median(m["step_s"] for m in result.metrics)
+            back = _back_at_failed_step(result.metrics, event.time, event.step)
+            b = event.breakdown
+            rows.append(
+                [
+                    preset,
+                    name,
+                    f"{event.seconds - b['resume']:.2f}",
+                    f"{event.seconds:.2f}",
+                    f"{b['detect']:.2f} / {b['replace']:.2f} / {b['reform']:.2f} / {b['transfer']:.2f} / {b['resume']:.2f}",
+                    str(event.lost_steps),
+                    f"{back:.2f}",
+                    f"{step_s:.2f}",
+                ]
+            )
+            print("  " + " | ".join(rows[-1][1:]), flush=True)
+            if event.strategy == "replica_copy" and b["transfer"] > 0:
+                memcpy = _memcpy_rate(event.bytes_moved)
+                wire = _gloo_rate(event.bytes_moved)
+                rate = event.bytes_moved / b["transfer"]
+                transfer_rows.append(
+                    [
+                        preset,
+                        name,
+                        f"{event.bytes_moved / 1e6:.0f}",
+                        f"{rate / 1e9:.2f}",
+                        f"{memcpy / 1e9:.2f}",
+                        f"{100 * rate / memcpy:.0f}%",
+                        f"{wire / 1e9:.2f}",
+                    ]
+                )
+    print()
+    print(
+        table(
+            [
+                "model",
+                "strategy",
+                "kill -> training again (s)",
+                "kill -> first commit (s)",
+                "detect / replace / reform / transfer / resume (s)",
+                "lost steps",
+                "kill -> back at failed step (s)",
+                "median step (s)",
+            ],
+            rows,
+        )
+    )
+    print()
+    print(
+        table(
+            [
+                "model",
+                "strategy",
+                "MB moved",
+                "transfer GB/s",
+                "memcpy GB/s",
+                "of memcpy",
+                "raw Gloo GB/s",
+            ],
+            transfer_rows,
+        )
+    )
+    print(
+        "\nkill -> first commit includes re-running the failed step (resume). The restart kill"
+        f" lands at a uniformly drawn step after the last checkpoint (seed {args.seed})."
+    )
+
+
+def _back_at_failed_step(metrics: list[dict[str, float]], struck: float, step: int) -> float:
+    """Seconds from the failure until the step it interrupted is committed again."""
+    for m in metrics:
+        if m["time"] > struck and m["step"] >= step:
+            return float(m["time"]) - struck
+    return float("nan")
+
+
+def _gloo_rate(nbytes: int) -> float:
+    """Bytes/s of one plain Gloo send of ``nbytes`` between two workers on this machine."""
+    import threading
+
+    from parallelism.comm import Rendezvous, StageComm, host_store
+
+    store = host_store("127.0.0.1")
+    top = Topology(2, 1)
+    rdzv = Rendezvous("127.0.0.1", store.port, "bench", 30)
+    comms: list[StageComm] = []
+
+    def join(rank: int) -> None:
+        comms.append(StageComm(rdzv, top, rank, "gloo", "127.0.0.1"))
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    a, b = sorted(comms, key=lambda c: c.rank)
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        a.isend(src, 1)
+        b.recv(dst, 0)
+        a.wait_sends()
+        best = min(best, time.perf_counter() - start)
+    a.close()
+    b.close()
+    return nbytes / best
+
+
+def _memcpy_rate(nbytes: int) -> float:
+    """Bytes/s of a plain in-memory copy of ``nbytes`` on this machine (best of 5)."""
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -164,9 +337,24 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--stages", type=int, default=4, help="stages of the PP x DP job")
         q.add_argument("--replicas", type=int, default=2, help="replicas of the PP x DP job")
         q.add_argument("--steps", type=int, default=12, help="steps per measured run")
+    r = sub.add_parser("recovery", help="time from a kill to training again, per strategy")
+    r.add_argument("--presets", default="small,medium", help="model presets, comma-separated")
+    r.add_argument("--stages", type=int, default=4, help="pipeline stages")
+    r.add_argument("--replicas", type=int, default=2, help="data-parallel replicas")
+    r.add_argument(
+        "--seq-len", type=int, default=64, help="tokens per sample (small, to keep steps short)"
+    )
+    r.add_argument("--microbatches", type=int, default=4, help="microbatches of one sample")
+    r.add_argument(
+        "--kill-step", type=int, default=4, help="step at which replica_copy runs lose a worker"
+    )
+    r.add_argument(
+        "--restart-every", type=int, default=50, help="checkpoint interval of the restart baseline"
+    )
+    r.add_argument("--seed", type=int, default=0, help="seed for the restart baseline's kill step")
     args = p.parse_args(argv)
     start = time.perf_counter()
-    {"throughput": throughput}[args.command](args)
+    {"throughput": throughput, "recovery": recovery}[args.command](args)
     print(f"\n(bench took {time.perf_counter() - start:.0f} s)")
     return 0
 
