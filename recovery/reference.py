@@ -38,12 +38,15 @@ def train_reference(
     stages: int,
     replicas: int,
     steps: int,
+    accumulate: int = 1,
 ) -> ReferenceResult:
     """Train ``spec``'s ``stages`` stages as one model in this process.
 
     The global batch of a step is ``batches(step, r, replicas)`` for every replica ``r``,
     concatenated; the loss is its mean (the same objective the pipeline optimises with
     ``microbatches`` microbatches per replica and the gradient averaged over replicas).
+    With ``accumulate=k`` the global batch runs as k equal chunks whose gradients add up
+    (gradient accumulation: the same arithmetic shapes as k microbatches).
     """
     modules = [spec.build(s, stages) for s in range(stages)]
     optimizers = [spec.make_optimizer(m.parameters()) for m in modules]
@@ -57,11 +60,16 @@ def train_reference(
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         seed_everything(spec.seed, "step", 0, 0, step)
-        x = inputs
-        for s, module in enumerate(modules):
-            x = call_stage(module, x, first=s == 0, last=s == stages - 1, natural=True)
-        loss = spec.loss_fn(x, targets)
-        loss.backward()
+        total = 0.0
+        for chunk_in, chunk_tgt in zip(
+            inputs.chunk(accumulate), targets.chunk(accumulate), strict=True
+        ):
+            x = chunk_in
+            for s, module in enumerate(modules):
+                x = call_stage(module, x, first=s == 0, last=s == stages - 1, natural=True)
+            loss = spec.loss_fn(x, chunk_tgt) / accumulate
+            loss.backward()
+            total += float(loss.detach())
         norms = []
         for module, opt, lrs in zip(modules, optimizers, base_lrs, strict=True):
             params = [p for p in module.parameters() if p.requires_grad]
@@ -69,7 +77,7 @@ def train_reference(
             norms.append(clipped)
             apply_lr_schedule(opt, spec.lr_schedule, step, lrs)
             opt.step()
-        result.losses.append(float(loss.detach()))
+        result.losses.append(total)
         result.grad_norms.append(norms)
         result.step_s.append(time.perf_counter() - start)
     result.states = [_cpu_state(m) for m in modules]
