@@ -225,6 +225,8 @@ class StageComm:
         rank: int,
         backend: str,
         bind_host: str,
+        *,
+        side_group: bool = False,
     ) -> None:
         self.topology = topology
         self.rank = rank
@@ -245,9 +247,17 @@ class StageComm:
             self._stage = _make_group(
                 backend, stage_store, self.worker.replica, topology.replicas, bind_host, timeout
             )
+        # A second, always-Gloo world group for traffic that runs beside the step on another
+        # thread (peer snapshots in host memory): it never competes with the step's ordering.
+        self._side: _Group | None = None
+        if side_group:
+            side_store = dist.PrefixStore("side", self._store)
+            self._side = _make_group(
+                "gloo", side_store, rank, topology.world_size, bind_host, timeout
+            )
         self._transport = (
             _Transport(before, self._store, rank, topology.world_size)
-            if backend == "gloo"
+            if backend == "gloo" or side_group
             else None
         )
         self._pending: list[tuple[dist.Work, torch.Tensor, int]] = []
@@ -324,6 +334,21 @@ class StageComm:
         shape = [int(d) for d in meta[2 : 2 + ndim]]
         return self.recv(torch.empty(shape, dtype=dtype, device=self.device), src)
 
+    # -- the side group (host memory, another thread) ----------------------------------
+
+    def side_isend(self, tensors: list[torch.Tensor], dst: int) -> list[dist.Work]:
+        """Start sending CPU ``tensors`` to ``dst`` over the side group; wait on the result."""
+        if self._side is None:
+            raise RuntimeError("no side group in this generation (closed, or not requested)")
+        return [self._side.send([t.contiguous()], dst, 0) for t in tensors]
+
+    def side_recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Receive into CPU ``tensor`` from ``src`` over the side group, blocking."""
+        if self._side is None:
+            raise RuntimeError("no side group in this generation (closed, or not requested)")
+        self._side.recv([tensor], src, 0).wait()
+        return tensor
+
     # -- collectives -----------------------------------------------------------------------
 
     def allreduce_stage(self, tensor: torch.Tensor) -> dist.Work | None:
@@ -352,10 +377,11 @@ class StageComm:
         if self._transport is not None:
             self._transport.shut_down()
             self._transport = None
-        groups = [g for g in (self._world, self._stage) if g is not None]
+        groups = [g for g in (self._world, self._stage, self._side) if g is not None]
         self._pending = []
         self._world = None
         self._stage = None
+        self._side = None
         self._store = None
         for group in groups:
             # An already-broken group may refuse to abort; the sockets are down anyway.

@@ -5,12 +5,19 @@ and its step. A worker writes into a temporary folder and renames it into place,
 folder that exists is complete. This is what the ``restart`` baseline writes every
 ``checkpoint_every`` steps -- the checkpoint/restart practice of torchrun and Ray Train
 that the recovery strategies are measured against.
+
+The DCP primitives here (`worker_state_dict`, `load_worker_state`) and the atomic-file
+helpers are shared with the durable snapshot tier (``recovery/snapshots.py``), which adds
+asynchronous writes, checksums and a commit marker on top of the same layout.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +26,80 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+# Every DCP call here is single-process on purpose (``no_dist=True``); DCP still warns that
+# it "assumes the intent is to save in a single process" on every worker.
+warnings.filterwarnings(
+    "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+)
+
+
+def step_path(root: str | os.PathLike[str], step: int) -> Path:
+    """The folder of every worker's state at ``step``."""
+    return Path(root) / f"step_{step:08d}"
+
 
 def checkpoint_path(root: str | os.PathLike[str], step: int, rank: int) -> Path:
-    return Path(root) / f"step_{step:08d}" / f"rank_{rank:04d}"
+    """The folder of worker ``rank``'s state at ``step``."""
+    return step_path(root, step) / f"rank_{rank:04d}"
 
 
-def _state(module: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict[str, Any]:
+def worker_state_dict(
+    module: nn.Module, optimizer: torch.optim.Optimizer, step: int
+) -> dict[str, Any]:
+    """A worker's state as DCP saves and loads it: model, optimizer (keyed by parameter
+    name, with its state allocated even before the first step) and the step."""
     model_state, optim_state = get_state_dict(module, optimizer)
     return {"model": model_state, "optim": optim_state, "step": step}
+
+
+def load_worker_state(
+    path: str | os.PathLike[str], module: nn.Module, optimizer: torch.optim.Optimizer
+) -> int:
+    """Load the DCP folder ``path`` into ``module`` and ``optimizer``. Returns its step.
+
+    Raises:
+        FileNotFoundError: if ``path`` holds no DCP checkpoint.
+    """
+    if not (Path(path) / ".metadata").exists():
+        raise FileNotFoundError(f"no DCP checkpoint in {path}")
+    # DCP loads in place: pre-allocate every tensor, the optimizer's included.
+    state = worker_state_dict(module, optimizer, -1)
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    set_state_dict(
+        module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    return int(state["step"])
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make a rename or a new entry in the folder ``path`` durable (no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: str | os.PathLike[str], obj: Mapping[str, Any]) -> bytes:
+    """Write ``obj`` as JSON to ``path`` atomically: a temporary file, fsync, rename.
+
+    Returns the bytes written. A reader sees the old file or the new one, never a part.
+    """
+    path = Path(path)
+    data = (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return data
 
 
 def save_checkpoint(
@@ -41,7 +114,7 @@ def save_checkpoint(
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
-    dcp.save(_state(module, optimizer, step), checkpoint_id=tmp, no_dist=True)
+    dcp.save(worker_state_dict(module, optimizer, step), checkpoint_id=tmp, no_dist=True)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     return final
@@ -62,9 +135,4 @@ def load_checkpoint(
     path = checkpoint_path(root, step, rank)
     if not (path / ".metadata").exists():
         raise FileNotFoundError(f"no checkpoint of rank {rank} at step {step} in {root}")
-    state = _state(module, optimizer, -1)
-    dcp.load(state, checkpoint_id=path, no_dist=True)
-    set_state_dict(
-        module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
-    return int(state["step"])
+    return load_worker_state(path, module, optimizer)

@@ -42,14 +42,23 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from parallelism.comm import Rendezvous, host_store
 from parallelism.topology import Topology
-from recovery.errors import RecoveryError, RedundancyExhausted
+from recovery.errors import RecoveryError, RedundancyExhausted, SnapshotCorrupted
 from recovery.events import RecoveryEvent
-from recovery.faults import FailureSchedule, Fault, Hang, Kill, KillNode
+from recovery.faults import FailureSchedule, Fault, Kill, KillNode, WorkerFault
 from recovery.placement import place, replacement_node
-from recovery.planner import REPLICA_COPY, RESTART, RecoveryPlan, Redundancy, plan
+from recovery.planner import (
+    DURABLE_TIER,
+    REPLICA_COPY,
+    RESTART,
+    ROLLBACK,
+    RecoveryPlan,
+    Redundancy,
+    plan,
+)
 from recovery.policy import RecoveryPolicy
 from recovery.pool import POOL
 from recovery.ray_env import alive_nodes, connect, driver_host
+from recovery.snapshots import DurableStore, buddies
 from recovery.spec import TrainSpec
 from recovery.worker import StageWorker, StepReport, WorkerInfo
 
@@ -120,6 +129,10 @@ class ControllerConfig:
     join_timeout_s: float = 60.0
     work_dir: str | None = None
     """Where the restart baseline writes checkpoints (default: a temp folder)."""
+    snapshot_dir: str | None = None
+    """Where durable snapshots go (required when the policy sets ``durable_every``)."""
+    resume: bool = True
+    """Resume from the newest intact durable snapshot in ``snapshot_dir``, if one exists."""
     worker_options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -133,6 +146,8 @@ class _Failure:
     detected_at: float
     struck_at: float
     errors: dict[int, str]
+    numerical: bool = False
+    """A non-finite loss or gradient norm: the live state itself is suspect."""
 
 
 class Controller:
@@ -179,6 +194,12 @@ class Controller:
         self._spares: list[tuple[Any, str]] = []
         self.checkpoint_steps: list[int] = []
         self._checkpoint_dir = ""
+        self.holdings: dict[int, dict[int, list[int]]] = {}
+        """Rank -> the peer snapshots it holds (rank -> steps), as last reported."""
+        self.durable: DurableStore | None = None
+        self.durable_steps: list[int] = []
+        self._durable_done: dict[int, set[int]] = {}
+        self.resumed_from: int | None = None
 
     # -- startup -------------------------------------------------------------------------
 
@@ -215,9 +236,69 @@ class Controller:
             log.warning("%d hot spare(s) failed to start; continuing without them", len(failed))
             self._spares = [sp for i, sp in enumerate(self._spares) if i not in failed]
         self.form_generation()
+        if self.policy.durable_every is not None:
+            self._open_durable()
         self.started_at = time.perf_counter()
         self.started_wall = time.time()
         self.phase = Phase.RUNNING
+
+    def _durable_meta(self) -> dict[str, Any]:
+        """What identifies this job in a durable snapshot: a re-run must match it to resume."""
+        return {
+            "topology": [self.topology.stages, self.topology.replicas],
+            "spec": self.spec.name,
+            "seed": self.spec.seed,
+            "microbatches": self.spec.microbatches,
+        }
+
+    def _open_durable(self) -> None:
+        """Open the durable tier; after a driver death, resume from its newest intact snapshot.
+
+        Raises:
+            ValueError: if there is no snapshot folder, or its snapshots belong to another job.
+        """
+        if not self.config.snapshot_dir:
+            raise ValueError(
+                "durable_every needs a snapshot folder: set snapshot_dir or a run folder"
+            )
+        self.durable = DurableStore(self.config.snapshot_dir)
+        if not self.config.resume:
+            return
+        for step in self.durable.steps():
+            problems = self.durable.verify(step, self.topology.world_size)
+            if problems:
+                log.warning(
+                    "durable snapshot of step %d is not intact, skipping it: %s",
+                    step,
+                    "; ".join(problems),
+                )
+                continue
+            self.durable.check_meta(step, self._durable_meta())
+            try:
+                self._call(
+                    {rank: m.actor for rank, m in self.members.items()},
+                    "durable_load",
+                    lambda rank, step=step: (self.config.snapshot_dir, step),  # type: ignore[misc]
+                    timeout_s=self.config.start_timeout_s,
+                    what=f"resume from the durable snapshot of step {step}",
+                )
+            except SnapshotCorrupted as exc:
+                log.warning(
+                    "durable snapshot of step %d is corrupted, trying an older one: %s", step, exc
+                )
+                continue
+            self.durable.discard_after(step)
+            self.durable_steps = [s for s in self.durable.steps() if s <= step]
+            self.step = self.resumed_from = step
+            log.warning(
+                "resumed from the durable snapshot of step %d in %s", step, self.config.snapshot_dir
+            )
+            return
+        if self.durable.steps():
+            raise RecoveryError(
+                f"no intact durable snapshot in {self.config.snapshot_dir} (every complete one failed "
+                "its checksums, see the log); move the folder away to start from scratch"
+            )
 
     @property
     def _pool_key(self) -> tuple[Any, ...]:
@@ -288,10 +369,24 @@ class Controller:
         rendezvous = Rendezvous(
             self.host, self._store.port, f"gen{self.generation}", self.config.join_timeout_s
         )
+        peer = bool(self.policy.snapshot_every) and self.topology.world_size > 1
+        ring = (
+            buddies(self.topology, {r: m.info.node_id for r, m in self.members.items()})
+            if peer
+            else {}
+        )
+        wards = {buddy: ward for ward, buddy in ring.items()}
         self._call(
             {rank: m.actor for rank, m in self.members.items()},
             "join",
-            lambda rank: (self.generation, rendezvous, self.members[rank].info.host),
+            lambda rank: (
+                self.generation,
+                rendezvous,
+                self.members[rank].info.host,
+                peer,
+                ring.get(rank),
+                wards.get(rank),
+            ),
             timeout_s=self.config.join_timeout_s + 10,
             what=f"form generation {self.generation}",
         )
@@ -306,6 +401,12 @@ class Controller:
             self.start()
         while self.phase not in (Phase.FINISHED, Phase.FAILED):
             self.advance()
+        if self.phase is Phase.FINISHED and self.durable is not None:
+            # The last durable writes may still be in flight: let them land and mark them
+            # complete, so that a re-run with more steps resumes from the end of this one.
+            refs = {rank: m.actor.flush_snapshots.remote() for rank, m in self.members.items()}
+            reports, _ = self._gather(refs, self.config.start_timeout_s)
+            self._note_redundancy(reports)
         if self.phase is Phase.FAILED:
             assert self.error is not None
             raise self.error
@@ -347,7 +448,7 @@ class Controller:
                             )
                         )
                 self._fired.add(fault)
-            elif isinstance(fault, Kill | Hang):
+            elif isinstance(fault, WorkerFault):
                 out.setdefault(self.topology.rank(fault.stage, fault.replica), []).append(fault)
         return {rank: tuple(faults) for rank, faults in out.items()}
 
@@ -363,6 +464,12 @@ class Controller:
         if errors or failed:
             self._fail(step, set(errors), failed, errors, hung, struck_at, faults)
             return
+        self._note_redundancy(reports)
+        bad = _non_finite(reports)
+        if bad:  # silent corruption shows up as NaN/inf: never commit it
+            self._mark_fired(faults)
+            self._fail(step, set(), bad, {}, set(), struck_at, faults, numerical=True)
+            return
         _commits, errors = self._gather(
             {rank: a.commit.remote(step) for rank, a in actors.items()}, self.policy.hang_timeout_s
         )
@@ -377,6 +484,7 @@ class Controller:
         self._mark_fired(faults)
         if self.policy.strategy == RESTART and self.step % self.policy.checkpoint_every == 0:
             self._save_checkpoint()
+        self._take_snapshots()
         if self.config.eval_every and (
             self.step % self.config.eval_every == 0 or self.step == self.target_steps
         ):
@@ -454,12 +562,16 @@ class Controller:
         hung: set[int],
         struck_at: float,
         faults: dict[int, tuple[Fault, ...]],
+        *,
+        numerical: bool = False,
     ) -> None:
         detected_at = time.time()
         injected = self._injected_time(lost | set(failed))
         messages = {rank: _first_line(e) for rank, e in errors.items()}
         messages.update(failed)
-        if hung:
+        if numerical:
+            cause = "numerical fault"
+        elif hung:
             cause = "hung"
         elif any(self.members[r].info.node_id in self.lost_nodes for r in lost):
             cause = "node lost"
@@ -475,6 +587,7 @@ class Controller:
             detected_at=detected_at,
             struck_at=injected if injected is not None else struck_at,
             errors=messages,
+            numerical=numerical,
         )
         log.warning(
             "step %d failed (%s): lost %s",
@@ -503,6 +616,64 @@ class Controller:
                     times.append(float(store.get(key).decode()))
         return min(times) if times else None
 
+    # -- snapshots -----------------------------------------------------------------------
+
+    def _note_redundancy(self, reports: dict[int, StepReport]) -> None:
+        """Record what the workers hold: peer snapshots, finished durable writes."""
+        for rank, report in reports.items():
+            self.holdings[rank] = report.snapshots
+            for step in report.durable_done:
+                self._durable_done.setdefault(step, set()).add(rank)
+        if self.durable is None:
+            return
+        for step in sorted(self._durable_done):
+            if len(self._durable_done[step]) == self.topology.world_size:
+                del self._durable_done[step]
+                self.durable.commit(step, self.topology.world_size, self._durable_meta())
+                self.durable_steps.append(step)
+                removed = self.durable.prune(self.policy.keep_durable, checksums=False)
+                self.durable_steps = [s for s in self.durable_steps if s not in removed]
+
+    def _take_snapshots(self) -> None:
+        """Start the snapshots due after this commit (see recovery/snapshots.py)."""
+        actors = {rank: m.actor for rank, m in self.members.items()}
+        every = self.policy.snapshot_every
+        if every and self.topology.world_size > 1 and self.step % every == 0:
+            self._call(
+                actors,
+                "take_snapshot",
+                lambda rank: (self.step,),
+                timeout_s=self.policy.hang_timeout_s,
+                what="take peer snapshots",
+            )
+        every = self.policy.durable_every
+        if (
+            every
+            and self.durable is not None
+            and self.step % every == 0
+            and self.step not in self.durable_steps
+        ):
+            self._call(
+                actors,
+                "durable_write",
+                lambda rank: (self.config.snapshot_dir, self.step),
+                timeout_s=self.policy.hang_timeout_s,
+                what="start durable snapshots",
+            )
+
+    def _redundancy(self, alive: dict[int, int]) -> Redundancy:
+        own = {r: self.holdings.get(r, {}).get(r, []) for r in alive}
+        held = {
+            h: {w: steps for w, steps in self.holdings.get(h, {}).items() if w != h} for h in alive
+        }
+        return Redundancy(
+            alive=alive,
+            checkpoint_steps=tuple(self.checkpoint_steps),
+            peer_own=own,
+            peer_held=held,
+            durable_steps=tuple(self.durable_steps),
+        )
+
     # -- recovery ------------------------------------------------------------------------
 
     def _recover(self) -> None:
@@ -522,21 +693,32 @@ class Controller:
                 ray.kill(self.members[rank].actor, no_restart=True)
         # Survivors abandon the step and leave the generation; anyone dying now is lost too.
         survivors = {rank: m for rank, m in self.members.items() if rank not in lost}
-        committed, errors = self._gather(
+        reports, errors = self._gather(
             {rank: m.actor.prepare_recovery.remote() for rank, m in survivors.items()}, 60.0
         )
         lost |= set(errors)
-        alive = {rank: step for rank, step in committed.items() if rank not in lost}
-        redundancy = Redundancy(alive=alive, checkpoint_steps=tuple(self.checkpoint_steps))
+        self._note_redundancy({r: rep for r, rep in reports.items() if r not in lost})
+        for rank in lost:
+            self.holdings.pop(rank, None)
+        alive = {rank: rep.step for rank, rep in reports.items() if rank not in lost}
         try:
-            recovery = plan(self.topology, lost, redundancy, self.policy)
+            recovery = plan(
+                self.topology,
+                lost,
+                self._redundancy(alive),
+                self.policy,
+                rollback_all=failure.numerical,
+            )
         except RedundancyExhausted as exc:
             raise RedundancyExhausted(f"{self._failure_text(failure)}\n{exc}") from None
         log.info("%s", recovery.describe(self.topology))
 
         t0 = time.perf_counter()
-        rebuild = sorted({a.rank for a in recovery.actions})
-        if recovery.strategy == RESTART:  # the baseline: everyone goes, everyone comes back cold
+        # New processes only for the lost workers; survivors restore in place (a rollback)
+        # -- except in the restart baseline, where everyone goes and comes back cold.
+        rebuild = sorted(lost)
+        if recovery.strategy == RESTART:
+            rebuild = list(range(self.topology.world_size))
             for rank in alive:
                 with contextlib.suppress(Exception):
                     ray.kill(self.members[rank].actor, no_restart=True)
@@ -548,7 +730,22 @@ class Controller:
         t_reform = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        moved = self._execute(recovery)
+        while True:
+            try:
+                moved = self._execute(recovery)
+                break
+            except SnapshotCorrupted as exc:  # never load it; fall back to an older snapshot
+                log.warning(
+                    "durable snapshot of step %d is corrupted: %s", recovery.resume_step, exc
+                )
+                self.durable_steps.remove(recovery.resume_step)
+                recovery = plan(
+                    self.topology,
+                    lost,
+                    self._redundancy(alive),
+                    self.policy,
+                    rollback_all=failure.numerical,
+                )
         t_transfer = time.perf_counter() - t0
 
         event = RecoveryEvent(
@@ -578,6 +775,7 @@ class Controller:
             bytes_moved=moved,
             lost_steps=failure.step - recovery.resume_step,
             time=failure.struck_at - self.started_wall,
+            tier=recovery.tier,
             breakdown={
                 "detect": max(0.0, failure.detected_at - failure.struck_at),
                 "replace": t_replace,
@@ -631,7 +829,14 @@ class Controller:
         return self._spares.pop(0) if self._spares else None
 
     def _execute(self, recovery: RecoveryPlan) -> int:
-        """Carry out the plan's state movements. Returns the bytes moved."""
+        """Carry out the plan's state movements. Returns the bytes moved.
+
+        Raises:
+            SnapshotCorrupted: if a durable snapshot chosen by the plan fails its checksums
+                (nothing was loaded from it).
+        """
+        if recovery.strategy == ROLLBACK:
+            return self._rollback(recovery)
         if recovery.strategy == RESTART:
             if recovery.resume_step > 0:
                 self._call(
@@ -657,6 +862,46 @@ class Controller:
         steps = {results[a.rank][0] for a in recovery.actions}
         assert steps <= {recovery.resume_step}, (steps, recovery.resume_step)
         return sum(int(results[src]) for src in by_source)
+
+    def _rollback(self, recovery: RecoveryPlan) -> int:
+        """Every worker restores the plan's snapshot: its own copy, a holder's, or the durable tier."""
+        step = recovery.resume_step
+        moved = 0
+        if recovery.tier == DURABLE_TIER:
+            self._call(
+                {rank: m.actor for rank, m in self.members.items()},
+                "durable_load",
+                lambda rank: (self.config.snapshot_dir, step),
+                timeout_s=self.config.start_timeout_s,
+                what=f"load the durable snapshot of step {step}",
+            )
+        else:
+            refs: dict[tuple[int, str], Any] = {}
+            for action in recovery.actions:
+                target = self.members[action.rank].actor
+                if not action.sources:
+                    refs[(action.rank, "own")] = target.restore_own.remote(step)
+                    continue
+                (holder,) = action.sources
+                refs[(holder, f"send{action.rank}")] = self.members[
+                    holder
+                ].actor.send_snapshot.remote(step, action.rank, action.rank)
+                refs[(action.rank, "recv")] = target.recv_snapshot.remote(step, holder)
+            keys = list(refs)
+            results, errors = self._gather(
+                {i: refs[k] for i, k in enumerate(keys)}, self.config.start_timeout_s
+            )
+            if errors:
+                raise RecoveryError(_describe_errors(f"roll back to step {step}", errors))
+            moved = sum(int(results[i]) for i, k in enumerate(keys) if k[1].startswith("send"))
+        if self.durable is not None:
+            self.durable.discard_after(step)
+        self.durable_steps = [s for s in self.durable_steps if s <= step]
+        self._durable_done = {}
+        for held in self.holdings.values():
+            for rank in list(held):
+                held[rank] = [s for s in held[rank] if s <= step]
+        return moved
 
     def _finish_event(self) -> None:
         """After the first commit following a recovery, close and publish its event."""
@@ -710,20 +955,23 @@ class Controller:
             bubble=1.0 - busy / span if span > 0 else 0.0,
         )
 
-    def evaluate(self) -> float:
-        """Mean held-out loss over ``eval_batches`` batches (forward only, every pipeline)."""
+    def evaluate(self) -> float | None:
+        """Mean held-out loss over ``eval_batches`` batches (forward only, every pipeline).
+
+        A failure during evaluation is handled like one during a step (the phase becomes
+        RECOVERING) and the evaluation is skipped: returns None.
+        """
         if self.spec.val_batches is None:
             return math.nan
-        actors = {rank: m.actor for rank, m in self.members.items()}
         total, count = 0.0, 0
         for index in range(self.config.eval_batches):
-            reports = self._call(
-                actors,
-                "evaluate",
-                lambda rank, index=index: (index,),  # type: ignore[misc]
-                timeout_s=self.policy.hang_timeout_s,
-                what="evaluate",
-            )
+            struck_at = time.time()
+            refs = {rank: m.actor.evaluate.remote(index) for rank, m in self.members.items()}
+            reports, errors, hung = self._await_step(refs)
+            failed = {rank: r.error for rank, r in reports.items() if not r.ok}
+            if errors or failed:
+                self._fail(self.step, set(errors), failed, errors, hung, struck_at, {})
+                return None
             total += sum(r.stats.loss_sum for r in reports.values())
             count += sum(r.stats.losses for r in reports.values())
         return total / count if count else math.nan
@@ -807,6 +1055,17 @@ class Controller:
         if errors:
             raise RecoveryError(_describe_errors(what, errors))
         return results
+
+
+def _non_finite(reports: dict[int, StepReport]) -> dict[int, str]:
+    """Workers whose loss or gradient norm is NaN or infinite, with what was seen."""
+    bad = {}
+    for rank, r in reports.items():
+        if (r.stats.losses and not math.isfinite(r.stats.loss_sum)) or not math.isfinite(
+            r.stats.grad_norm
+        ):
+            bad[rank] = f"non-finite loss {r.stats.loss_sum} or gradient norm {r.stats.grad_norm}"
+    return bad
 
 
 def _succeeded(ref: Any) -> bool:

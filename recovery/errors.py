@@ -9,3 +9,11 @@ class RecoveryError(RuntimeError):
 
 class RedundancyExhausted(RecoveryError):
     """No allowed source exists for some lost state under the recovery policy."""
+
+
+class SnapshotCorrupted(RecoveryError):
+    """A durable snapshot failed verification (a missing, truncated or altered file).
+
+    The message names the snapshot, the file and the problem. Its bytes are never loaded:
+    fall back to an older intact snapshot (``DurableStore.newest_intact``).
+    """

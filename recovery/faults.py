@@ -9,6 +9,7 @@ Text form (``scripts/train.py --failures``), faults separated by ``;``::
 
     kill:step=20,stage=1,replica=0[,at=mid_pipeline]
     hang:step=30,stage=2,replica=1
+    nan:step=35,stage=0,replica=0   # a NaN written into the weights (silent data corruption)
     killnode:step=40,node=1
     poisson:rate=0.02[,seed=0]      # per-worker-step probability, drawn once up front
 """
@@ -80,6 +81,25 @@ class Hang:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Corrupt:
+    """Silently corrupt worker ``(stage, replica)``'s weights with a NaN at ``at`` of step
+    ``step`` -- what a bit flip in memory looks like to training."""
+
+    step: int
+    stage: int
+    replica: int
+    at: KillPoint = KillPoint.BEFORE_FORWARD
+
+    def __post_init__(self) -> None:
+        for name in ("step", "stage", "replica"):
+            _non_negative(name, getattr(self, name))
+        object.__setattr__(self, "at", _point(self.at))
+
+    def __str__(self) -> str:
+        return f"nan:step={self.step},stage={self.stage},replica={self.replica},at={self.at.value}"
+
+
+@dataclass(frozen=True, kw_only=True)
 class KillNode:
     """SIGKILL every worker on the job's ``node``-th Ray node (in node-id order) at step ``step``."""
 
@@ -94,7 +114,9 @@ class KillNode:
         return f"killnode:step={self.step},node={self.node}"
 
 
-Fault = Kill | Hang | KillNode
+Fault = Kill | Hang | Corrupt | KillNode
+WorkerFault = Kill | Hang | Corrupt
+"""Faults that strike one worker (delivered to it with the step)."""
 
 
 def _point(value: object) -> KillPoint:
@@ -115,8 +137,8 @@ class FailureSchedule:
     def __init__(self, faults: Iterable[Fault] = ()) -> None:
         self.faults: tuple[Fault, ...] = tuple(faults)
         for fault in self.faults:
-            if not isinstance(fault, Kill | Hang | KillNode):
-                raise ValueError(f"not a fault: {fault!r} (use Kill, Hang or KillNode)")
+            if not isinstance(fault, Kill | Hang | Corrupt | KillNode):
+                raise ValueError(f"not a fault: {fault!r} (use Kill, Hang, Corrupt or KillNode)")
 
     def __iter__(self) -> Iterator[Fault]:
         return iter(self.faults)
@@ -140,7 +162,7 @@ class FailureSchedule:
         for fault in self.faults:
             if steps is not None and fault.step >= steps:
                 raise ValueError(f"{fault}: step {fault.step} is outside a job of {steps} steps")
-            if isinstance(fault, Kill | Hang) and (
+            if isinstance(fault, WorkerFault) and (
                 fault.stage >= topology.stages or fault.replica >= topology.replicas
             ):
                 raise ValueError(
@@ -204,8 +226,13 @@ class FailureSchedule:
                             seed=int(fields.pop("seed", "0")),
                         )
                     )
-                elif kind in ("kill", "hang"):
-                    fault_type = Kill if kind == "kill" else Hang
+                elif kind in ("kill", "hang", "nan"):
+                    types: dict[str, type[Kill] | type[Hang] | type[Corrupt]] = {
+                        "kill": Kill,
+                        "hang": Hang,
+                        "nan": Corrupt,
+                    }
+                    fault_type = types[kind]
                     faults.append(
                         fault_type(
                             step=int(fields.pop("step")),

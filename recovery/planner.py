@@ -1,14 +1,27 @@
 """The recovery planner: a pure function from what was lost and what survives to a plan.
 
 ``plan(topology, lost, redundancy, policy) -> RecoveryPlan`` chooses, for every lost unit,
-the first source that exists in the recovery hierarchy (docs/DESIGN.md). The runtime only
-executes plans; it decides nothing the planner did not decide. Invariants, property-tested
-in tests/test_planner.py:
+the first allowed source that exists in the recovery hierarchy (docs/DESIGN.md):
 
-- every lost worker gets exactly one action, and no live worker gets one (except in a
-  plan that restores everyone, like ``restart``);
+1. ``replica_copy``: a live replica of the same stage at the highest committed step (exact);
+2. ``neighbor_average`` (CheckFree): a lost intermediate stage whose two neighbouring stages
+   have live replicas is rebuilt as their gradient-norm-weighted average (approximate);
+3. ``edge_copy`` (CheckFree+): a lost first/last stage is rebuilt from its swap partner,
+   which has been trained to stand in for it (approximate);
+4. ``rollback``: every worker restores the newest snapshot that exists for all of them --
+   the peer-memory tier if the holders survived, else the durable tier (exact: the replay
+   is deterministic, but the steps since the snapshot are redone).
+
+The runtime only executes plans; it decides nothing the planner did not decide.
+Invariants, property-tested in tests/test_planner.py:
+
+- every lost worker gets exactly one action; a live worker gets one only in a plan that
+  restores everyone (``rollback``, ``restart``);
 - every source is alive and is not itself being rebuilt by the same plan;
-- ``RedundancyExhausted`` is raised if and only if some unit has no allowed source.
+- ``rollback`` is chosen if and only if some lost unit has no other allowed source, and
+  its step has a live copy of every worker's state;
+- ``RedundancyExhausted`` is raised if and only if some unit has no allowed source at all;
+- an ``exact_only`` policy never yields an approximate action.
 """
 
 from __future__ import annotations
@@ -21,7 +34,16 @@ from recovery.errors import RedundancyExhausted
 from recovery.policy import RecoveryPolicy
 
 REPLICA_COPY = "replica_copy"
+NEIGHBOR_AVERAGE = "neighbor_average"
+EDGE_COPY = "edge_copy"
+ROLLBACK = "rollback"
 RESTART = "restart"
+
+APPROXIMATE = frozenset({NEIGHBOR_AVERAGE, EDGE_COPY})
+"""Strategies whose result is not the state the lost worker had."""
+
+PEER_TIER = "peer"
+DURABLE_TIER = "durable"
 
 
 @dataclass(frozen=True)
@@ -32,11 +54,21 @@ class Redundancy:
     """Rank -> the number of steps that live worker has committed."""
     checkpoint_steps: tuple[int, ...] = ()
     """Steps at which a complete checkpoint exists (``restart`` only)."""
+    peer_own: Mapping[int, Collection[int]] = field(default_factory=dict)
+    """Rank -> snapshot steps of its own state that it keeps in memory."""
+    peer_held: Mapping[int, Mapping[int, Collection[int]]] = field(default_factory=dict)
+    """Holder rank -> ward rank -> snapshot steps of the ward's state the holder keeps."""
+    durable_steps: tuple[int, ...] = ()
+    """Steps with an intact, complete durable snapshot."""
 
 
 @dataclass(frozen=True)
 class Action:
-    """Rebuild worker ``rank`` with ``strategy`` from ``sources`` (global ranks)."""
+    """Rebuild (or restore) worker ``rank`` with ``strategy`` from ``sources`` (global ranks).
+
+    ``sources`` is empty where the worker restores from something it holds itself (its
+    own peer snapshot) or from the durable tier.
+    """
 
     rank: int
     strategy: str
@@ -49,15 +81,22 @@ class RecoveryPlan:
 
     actions: tuple[Action, ...]
     resume_step: int
-    lost: tuple[int, ...] = field(default=())
+    lost: tuple[int, ...] = ()
+    tier: str | None = None
+    """For rollbacks: ``peer`` or ``durable``."""
 
     @property
     def strategy(self) -> str:
-        """The strategies used, e.g. ``"replica_copy"``."""
+        """The strategies used, e.g. ``"replica_copy"`` or ``"neighbor_average+replica_copy"``."""
         return "+".join(sorted({a.strategy for a in self.actions})) or "none"
 
+    @property
+    def exact(self) -> bool:
+        return not any(a.strategy in APPROXIMATE for a in self.actions)
+
     def describe(self, topology: Topology) -> str:
-        lines = [f"recovery plan: resume at step {self.resume_step}"]
+        tier = f" from the {self.tier} tier" if self.tier else ""
+        lines = [f"recovery plan: resume at step {self.resume_step}{tier}"]
         for a in self.actions:
             src = ", ".join(str(topology.worker(s)) for s in a.sources) or "-"
             lines.append(f"  {topology.worker(a.rank)} <- {a.strategy} from {src}")
@@ -69,12 +108,18 @@ def plan(
     lost: Collection[int],
     redundancy: Redundancy,
     policy: RecoveryPolicy,
+    *,
+    rollback_all: bool = False,
 ) -> RecoveryPlan:
     """Plan the recovery of the ``lost`` ranks.
 
+    ``rollback_all`` asks for a rollback whatever was lost (a numerical fault: the live
+    state itself is suspect).
+
     Raises:
         ValueError: if ``lost`` and ``redundancy.alive`` overlap or do not cover the job.
-        RedundancyExhausted: naming each stage whose state has no allowed source.
+        RedundancyExhausted: naming each unit that has no allowed source, and the plan that
+            could not be made.
     """
     lost_set = set(lost)
     alive = dict(redundancy.alive)
@@ -85,7 +130,7 @@ def plan(
         raise ValueError(
             f"ranks {sorted(everyone - lost_set - alive.keys())} are neither lost nor alive"
         )
-    if not lost_set:
+    if not lost_set and not rollback_all:
         return RecoveryPlan(actions=(), resume_step=max(alive.values(), default=0))
     if policy.strategy == RESTART:
         return _restart(topology, lost_set, redundancy)
@@ -93,32 +138,152 @@ def plan(
     step = max(alive.values(), default=0)
     current = {rank for rank, s in alive.items() if s == step}
     actions: list[Action] = []
-    exhausted: list[str] = []
-    for stage in range(topology.stages):
-        group = topology.stage_group(stage)
-        targets = sorted(r for r in group if r in lost_set)
-        if not targets:
-            continue
-        sources = sorted(r for r in group if r in current)
-        if not sources:
-            exhausted.append(
-                f"stage {stage} lost all {topology.replicas} replica(s) "
-                f"({', '.join(str(topology.worker(r)) for r in targets)})"
+    unplanned: list[str] = []
+    if not rollback_all:
+        dead_stages = {
+            s for s in range(topology.stages) if not set(topology.stage_group(s)) & current
+        }
+        for stage in range(topology.stages):
+            group = topology.stage_group(stage)
+            targets = sorted(r for r in group if r in lost_set)
+            if not targets:
+                continue
+            stage_actions = _exact(topology, stage, targets, current, policy) or _approximate(
+                topology, stage, targets, current, dead_stages, policy
             )
-            continue
-        # Spread the copies over the live replicas so no single source serialises them.
-        actions.extend(
-            Action(rank=t, strategy=REPLICA_COPY, sources=(sources[i % len(sources)],))
-            for i, t in enumerate(targets)
-        )
-    if exhausted:
+            if stage_actions:
+                actions.extend(stage_actions)
+            else:
+                unplanned.append(_why(topology, stage, targets, dead_stages, policy))
+    if not unplanned and not rollback_all:
+        return RecoveryPlan(actions=tuple(actions), resume_step=step, lost=tuple(sorted(lost_set)))
+
+    reason = (
+        "a numerical fault makes the live state suspect" if rollback_all else "; ".join(unplanned)
+    )
+    if not policy.allows(ROLLBACK):
         raise RedundancyExhausted(
-            "no exact source for lost state: "
-            + "; ".join(exhausted)
-            + ". The policy allows no other recovery; run with replicas >= 2 and lose fewer "
-            "workers per stage, or allow snapshots/approximate recovery."
+            f"no allowed source: {reason}. Rollback is not allowed by the policy."
         )
-    return RecoveryPlan(actions=tuple(actions), resume_step=step, lost=tuple(sorted(lost_set)))
+    return _rollback(topology, lost_set, redundancy, reason)
+
+
+def _exact(
+    topology: Topology, stage: int, targets: list[int], current: set[int], policy: RecoveryPolicy
+) -> list[Action]:
+    sources = sorted(r for r in topology.stage_group(stage) if r in current)
+    if not sources or not policy.allows(REPLICA_COPY):
+        return []
+    # Spread the copies over the live replicas so no single source serialises them.
+    return [
+        Action(rank=t, strategy=REPLICA_COPY, sources=(sources[i % len(sources)],))
+        for i, t in enumerate(targets)
+    ]
+
+
+def _live_replica(topology: Topology, stage: int, current: set[int], index: int) -> int | None:
+    live = sorted(r for r in topology.stage_group(stage) if r in current)
+    return live[index % len(live)] if live else None
+
+
+def _approximate(
+    topology: Topology,
+    stage: int,
+    targets: list[int],
+    current: set[int],
+    dead_stages: set[int],
+    policy: RecoveryPolicy,
+) -> list[Action]:
+    """CheckFree(+) for a stage with no live replica; [] if not allowed or not possible.
+
+    Every lost replica of the stage computes the same rebuild from the same sources (it is
+    deterministic), so all replicas end identical without copying from each other.
+    """
+    if policy.exact_only or policy.approximate is None:
+        return []
+    last = topology.stages - 1
+    if 0 < stage < last and policy.allows(NEIGHBOR_AVERAGE):
+        if stage - 1 in dead_stages or stage + 1 in dead_stages:
+            return []  # adjacent lost stages: averaging needs both neighbours
+        actions = []
+        for i, t in enumerate(targets):
+            prev = _live_replica(topology, stage - 1, current, i)
+            nxt = _live_replica(topology, stage + 1, current, i)
+            assert prev is not None and nxt is not None
+            actions.append(Action(rank=t, strategy=NEIGHBOR_AVERAGE, sources=(prev, nxt)))
+        return actions
+    if stage in (0, last) and policy.approximate == "checkfree+" and policy.allows(EDGE_COPY):
+        if topology.stages < 4:
+            return []
+        partner = 1 if stage == 0 else last - 1
+        if partner in dead_stages:
+            return []
+        sources = sorted(r for r in topology.stage_group(partner) if r in current)
+        return [
+            Action(rank=t, strategy=EDGE_COPY, sources=(sources[i % len(sources)],))
+            for i, t in enumerate(targets)
+        ]
+    return []
+
+
+def _why(
+    topology: Topology,
+    stage: int,
+    targets: list[int],
+    dead_stages: set[int],
+    policy: RecoveryPolicy,
+) -> str:
+    lost = ", ".join(str(topology.worker(r)) for r in targets)
+    text = f"stage {stage} lost all {topology.replicas} replica(s) ({lost})"
+    if policy.exact_only or policy.approximate is None:
+        return text + " and the policy allows no approximate rebuild"
+    if stage in (0, topology.stages - 1) and policy.approximate != "checkfree+":
+        return text + "; CheckFree cannot rebuild a first or last stage (CheckFree+ can)"
+    neighbours = sorted({stage - 1, stage + 1} & dead_stages)
+    if neighbours:
+        return text + f" and neighbouring stage(s) {neighbours} are lost too"
+    return text + " and no approximate rebuild applies"
+
+
+def _rollback(
+    topology: Topology, lost: set[int], redundancy: Redundancy, reason: str
+) -> RecoveryPlan:
+    """Everyone restores the newest snapshot that exists for every worker."""
+    from recovery.snapshots import peer_rollback_step
+
+    alive = set(redundancy.alive)
+    peer = peer_rollback_step(
+        alive,
+        {h: {w: set(s) for w, s in wards.items()} for h, wards in redundancy.peer_held.items()},
+        {r: set(s) for r, s in redundancy.peer_own.items()},
+        topology.world_size,
+    )
+    durable = max(redundancy.durable_steps, default=None)
+    if peer is None and durable is None:
+        raise RedundancyExhausted(
+            f"no allowed source: {reason}, and no snapshot survives for every worker "
+            "(enable snapshot_every / durable_every, or keep a worker's snapshot buddy alive)."
+        )
+    if peer is not None and (durable is None or peer >= durable):
+        actions = []
+        for rank in range(topology.world_size):
+            if rank in alive and peer in redundancy.peer_own.get(rank, ()):
+                actions.append(Action(rank=rank, strategy=ROLLBACK))
+                continue
+            holders = sorted(
+                h
+                for h, wards in redundancy.peer_held.items()
+                if h in alive and peer in wards.get(rank, ())
+            )
+            actions.append(Action(rank=rank, strategy=ROLLBACK, sources=(holders[0],)))
+        return RecoveryPlan(
+            tuple(actions), resume_step=peer, lost=tuple(sorted(lost)), tier=PEER_TIER
+        )
+    assert durable is not None
+    actions = [Action(rank=r, strategy=ROLLBACK) for r in range(topology.world_size)]
+    return RecoveryPlan(
+        tuple(actions), resume_step=durable, lost=tuple(sorted(lost)), tier=DURABLE_TIER
+    )
 
 
 def _restart(topology: Topology, lost: set[int], redundancy: Redundancy) -> RecoveryPlan:

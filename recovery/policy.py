@@ -4,9 +4,30 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from recovery.strategies.checkfree import CheckFreeConfig
 
 STRATEGIES = ("auto", "restart")
+APPROXIMATIONS = (None, "checkfree", "checkfree+")
+STRATEGY_NAMES = ("replica_copy", "neighbor_average", "edge_copy", "rollback")
+"""The recovery strategies a policy can allow (see docs/DESIGN.md, Recovery hierarchy)."""
+
+
+def _positive_int(name: str, value: object, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        allowed = "a positive integer or None" if optional else "a positive integer"
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _default_checkfree() -> CheckFreeConfig:
+    from recovery.strategies.checkfree import CheckFreeConfig
+
+    return CheckFreeConfig()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -18,9 +39,31 @@ class RecoveryPolicy:
     """
 
     strategy: str = "auto"
-    """``"auto"``: the recovery hierarchy (rebuild lost workers from live redundancy, see
-    docs/DESIGN.md). ``"restart"``: the baseline torchrun and Ray Train implement -- tear
-    down every worker, start new ones, load the last checkpoint, redo the lost steps."""
+    """``"auto"``: the recovery hierarchy (rebuild lost workers from live redundancy, roll
+    back only when it is exhausted). ``"restart"``: the baseline torchrun and Ray Train
+    implement -- tear down every worker, start new ones, load the last checkpoint, redo the
+    lost steps."""
+    approximate: str | None = None
+    """Approximate rebuilds of a stage that lost every replica: ``None`` (never),
+    ``"checkfree"`` (intermediate stages, from their neighbours), ``"checkfree+"`` (also the
+    first and last stages; trains with swapped routes and (de)embedding replicas)."""
+    exact_only: bool = False
+    """Never rebuild approximately, whatever ``approximate`` says: exhausted redundancy
+    means rollback."""
+    allowed: tuple[str, ...] | None = None
+    """Restrict the strategies the planner may use (names in `STRATEGY_NAMES`); None: all."""
+    checkfree: CheckFreeConfig = field(default_factory=_default_checkfree)
+    """The knobs of CheckFree(+) rebuilds (averaging, learning-rate scale, optimizer reset)."""
+    snapshot_every: int | None = 50
+    """Peer-memory snapshots: every this many steps each worker keeps a copy of its state
+    and sends one to a buddy on another node. None: off."""
+    durable_every: int | None = None
+    """Durable snapshots (torch.distributed.checkpoint, checksummed) every this many steps.
+    None: off. Needed to survive the loss of the driver."""
+    snapshot_dir: str | os.PathLike[str] | None = None
+    """Where durable snapshots go (default: ``<run folder>/snapshots``)."""
+    keep_durable: int = 2
+    """Durable snapshots kept on disk (older ones are deleted)."""
     hot_spares: int = 0
     """Warm spare workers kept ready (torch imported, stage modules built) to replace dead
     ones without a cold start."""
@@ -39,23 +82,44 @@ class RecoveryPolicy:
             raise ValueError(
                 f"unknown recovery strategy {self.strategy!r}; choose one of {STRATEGIES}"
             )
+        if self.approximate not in APPROXIMATIONS:
+            raise ValueError(
+                f"approximate must be one of {APPROXIMATIONS}, got {self.approximate!r}"
+            )
+        if self.allowed is not None:
+            unknown = sorted(set(self.allowed) - set(STRATEGY_NAMES))
+            if unknown:
+                raise ValueError(
+                    f"unknown strategies {unknown} in allowed; known: {STRATEGY_NAMES}"
+                )
         if (
             isinstance(self.hot_spares, bool)
             or not isinstance(self.hot_spares, int)
             or self.hot_spares < 0
         ):
             raise ValueError(f"hot_spares must be a non-negative integer, got {self.hot_spares!r}")
-        if not (self.hang_timeout_s > 0 and math.isfinite(self.hang_timeout_s)):
+        if not (
+            isinstance(self.hang_timeout_s, int | float)
+            and self.hang_timeout_s > 0
+            and math.isfinite(self.hang_timeout_s)
+        ):
             raise ValueError(
                 f"hang_timeout_s must be a positive number of seconds, got {self.hang_timeout_s!r}"
             )
-        if self.max_recoveries is not None and self.max_recoveries < 0:
-            raise ValueError(f"max_recoveries must be >= 0 or None, got {self.max_recoveries!r}")
-        if (
-            isinstance(self.checkpoint_every, bool)
-            or not isinstance(self.checkpoint_every, int)
-            or self.checkpoint_every < 1
+        if self.max_recoveries is not None and (
+            not isinstance(self.max_recoveries, int) or self.max_recoveries < 0
         ):
-            raise ValueError(
-                f"checkpoint_every must be a positive integer, got {self.checkpoint_every!r}"
-            )
+            raise ValueError(f"max_recoveries must be >= 0 or None, got {self.max_recoveries!r}")
+        _positive_int("checkpoint_every", self.checkpoint_every)
+        _positive_int("snapshot_every", self.snapshot_every, optional=True)
+        _positive_int("durable_every", self.durable_every, optional=True)
+        _positive_int("keep_durable", self.keep_durable)
+
+    def allows(self, strategy: str) -> bool:
+        """Whether the planner may use ``strategy``."""
+        return self.allowed is None or strategy in self.allowed
+
+    @property
+    def swapped_routes(self) -> bool:
+        """CheckFree+ trains with the first two and last two stages swapped on odd microbatches."""
+        return self.approximate == "checkfree+" and not self.exact_only

@@ -66,6 +66,12 @@ class FitResult:
         return self.states[(stage, replica)]["optimizer"]
 
 
+def _snapshot_dir(policy: RecoveryPolicy, run_dir: RunDir | None) -> str | None:
+    if policy.snapshot_dir is not None:
+        return str(policy.snapshot_dir)
+    return str(run_dir.file("snapshots")) if run_dir is not None else None
+
+
 def final_trajectory(records: list[StepRecord]) -> list[float]:
     """Loss per step of the final trajectory: a redone step's last run wins."""
     by_step: dict[int, float] = {}
@@ -142,7 +148,12 @@ class Trainer:
             eval_every=eval_every,
             eval_batches=max(1, eval_batches),
             work_dir=str(self.run_dir.file("checkpoints")) if self.run_dir else None,
+            snapshot_dir=_snapshot_dir(policy, self.run_dir),
         )
+        if policy.durable_every is not None and self.config.snapshot_dir is None:
+            raise ValueError(
+                "durable_every needs a folder: set RecoveryPolicy(snapshot_dir=...) or run_dir"
+            )
 
     def fit(self, steps: int) -> FitResult:
         """Train for ``steps`` committed steps and return losses, events and final states.
@@ -182,6 +193,8 @@ class Trainer:
         try:
             controller.start()
             startup_s = time.perf_counter() - t0
+            if controller.resumed_from is not None:
+                self._note_resume(controller, bar)
             controller.run(steps)
             wall_s = time.perf_counter() - controller.started_at
             states = controller.states() if self.collect_states else {}
@@ -207,6 +220,32 @@ class Trainer:
                 title=self._title(),
             )
         return result
+
+    def _note_resume(self, controller: Controller, bar: _ProgressBar) -> None:
+        """After a driver death: keep the earlier run's record and log the rollback."""
+        step = controller.resumed_from
+        assert step is not None
+        earlier = self.run_dir.read_lines("metrics.jsonl") if self.run_dir else []
+        fields = {f.name for f in dataclasses.fields(StepRecord)}
+        controller.records = [
+            StepRecord(**{k: v for k, v in m.items() if k in fields})
+            for m in earlier
+            if m["step"] < step
+        ]
+        reached = max((m["step"] + 1 for m in earlier), default=step)
+        event = RecoveryEvent(
+            step=reached,
+            generation=controller.generation,
+            cause="driver restarted",
+            lost=[(w.stage, w.replica) for w in self.topology.workers()],
+            strategy="rollback",
+            lost_steps=max(0, reached - step),
+            tier="durable",
+            detail=f"resumed from the durable snapshot of step {step} in {self.config.snapshot_dir}",
+        )
+        controller.events.append(event)
+        controller.on_event(event)
+        bar.note(f"resumed from the durable snapshot of step {step}")
 
     def _title(self) -> str:
         return (

@@ -18,6 +18,7 @@ is also its data cursor.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import threading
@@ -33,9 +34,19 @@ from parallelism.schedule import Schedule, build_schedule, forward_only
 from parallelism.seeding import seed_everything
 from parallelism.topology import Topology
 from recovery.checkpoint import load_checkpoint, save_checkpoint
-from recovery.faults import Fault, Hang, Kill, KillPoint
+from recovery.faults import Corrupt, Fault, Kill, KillPoint, WorkerFault
+from recovery.snapshots import (
+    DurableStore,
+    PackedState,
+    PeerSnapshots,
+    WriteHandle,
+    pack_state,
+    unpack_state,
+)
 from recovery.spec import BatchFn, TrainSpec, apply_lr_schedule
 from recovery.transfer import recv_state, send_state
+
+log = logging.getLogger("checkfree")
 
 # Substrings by which a backend error reveals a dead or departed peer, as opposed to a
 # bug in user code (which must stop the job, not trigger recovery).
@@ -68,6 +79,10 @@ class StepReport:
     stats: StepStats = field(default_factory=StepStats)
     error: str = ""
     """For a failed step: the communication error the worker saw."""
+    snapshots: dict[int, list[int]] = field(default_factory=dict)
+    """Peer snapshots held: rank -> steps (its own rank: its own copies)."""
+    durable_done: list[int] = field(default_factory=list)
+    """Durable snapshot steps whose write finished since the last report."""
 
 
 @dataclass(frozen=True)
@@ -92,8 +107,14 @@ class StageWorker:
         self.comm: StageComm | None = None
         self.generation = -1
         self.step = 0
-        self._faults: list[Kill | Hang] = []
+        self._faults: list[WorkerFault] = []
         self._activity = ("idle", time.time())
+        self.peer = PeerSnapshots(keep=2)
+        self._durable: DurableStore | None = None
+        self._writes: dict[int, WriteHandle] = {}
+        self._exchange: threading.Thread | None = None
+        self.buddy: int | None = None
+        self.ward: int | None = None
 
     # -- identity ------------------------------------------------------------------------
 
@@ -133,14 +154,30 @@ class StageWorker:
             clip_grad_norm=spec.clip_grad_norm,
         )
         self.step = 0
+        self.peer = PeerSnapshots(keep=2)
         return time.perf_counter() - start
 
-    def join(self, generation: int, rendezvous: Rendezvous, bind_host: str) -> float:
-        """Form this generation's process groups. Returns seconds taken."""
+    def join(
+        self,
+        generation: int,
+        rendezvous: Rendezvous,
+        bind_host: str,
+        side_group: bool = False,
+        buddy: int | None = None,
+        ward: int | None = None,
+    ) -> float:
+        """Form this generation's process groups. Returns seconds taken.
+
+        ``buddy`` holds this worker's peer snapshots and this worker holds ``ward``'s; they
+        travel over a side group (``side_group``) beside the training step.
+        """
         start = time.perf_counter()
         self.leave()
-        self.comm = StageComm(rendezvous, self.topology, self.rank, self.backend, bind_host)
+        self.comm = StageComm(
+            rendezvous, self.topology, self.rank, self.backend, bind_host, side_group=side_group
+        )
         self.generation = generation
+        self.buddy, self.ward = buddy, ward
         return time.perf_counter() - start
 
     def leave(self) -> None:
@@ -148,10 +185,16 @@ class StageWorker:
         if self.comm is not None:
             self.comm.close()
             self.comm = None
+        self._join_exchange()
 
     def reset(self) -> None:
         """Drop the job: process groups, module, optimizer. The process stays warm for reuse."""
         self.leave()
+        if self._durable is not None:
+            self._durable.close()
+            self._durable = None
+        self._writes = {}
+        self.peer = PeerSnapshots(keep=2)
         self.spec = None
         for name in ("module", "optimizer", "engine"):
             self.__dict__.pop(name, None)
@@ -175,7 +218,7 @@ class StageWorker:
             raise RuntimeError(
                 f"worker {self.rank} is at step {self.step}, asked to run step {step}"
             )
-        self._faults = [f for f in faults if isinstance(f, Kill | Hang) and f.step == step]
+        self._faults = [f for f in faults if isinstance(f, WorkerFault) and f.step == step]
         self._activity = ("step", time.time())
         self.optimizer.zero_grad(set_to_none=True)
         seed_everything(self.spec.seed, "step", self.stage, self.replica, step)
@@ -186,7 +229,7 @@ class StageWorker:
             return self._failed(step, exc)
         finally:
             self._activity = ("idle", time.time())
-        return StepReport(rank=self.rank, step=step, ok=True, stats=stats)
+        return self._report(step, stats)
 
     def commit(self, step: int) -> int:
         """Phase two: apply ``step``'s optimizer update. Returns the new step counter.
@@ -258,6 +301,10 @@ class StageWorker:
             if fault.at.value != point:
                 continue
             self._record_fault_time()
+            if isinstance(fault, Corrupt):
+                with torch.no_grad():  # a flipped bit: nothing fails, the numbers go bad
+                    next(self.module.parameters()).view(-1)[0] = float("nan")
+                continue
             if isinstance(fault, Kill):
                 os.kill(os.getpid(), signal.SIGKILL)  # a real death: no cleanup, no goodbye
             self._activity = ("hung", time.time())
@@ -291,11 +338,144 @@ class StageWorker:
         if comm is not None:
             comm.close()
 
-    def prepare_recovery(self) -> int:
-        """Abandon the uncommitted step and leave the generation. Returns the committed step."""
+    def prepare_recovery(self) -> StepReport:
+        """Abandon the uncommitted step and leave the generation.
+
+        Returns the committed step and what redundancy this worker holds (peer snapshots,
+        finished durable writes), for the planner.
+        """
         self.optimizer.zero_grad(set_to_none=True)
         self._faults = []
         self.leave()
+        return self.flush_snapshots()  # let durable writes in flight land before anyone prunes
+
+    # -- snapshots (see recovery/snapshots.py) --------------------------------------------
+
+    def _report(self, step: int, stats: StepStats) -> StepReport:
+        done = []
+        for s in sorted(s for s, h in self._writes.items() if h.done()):
+            try:
+                self._writes.pop(s).result()
+                done.append(s)
+            except Exception as exc:  # that snapshot never completes; training goes on
+                log.warning("durable snapshot of step %d failed on rank %d: %s", s, self.rank, exc)
+        holdings = {rank: sorted(steps) for rank, steps in self.peer.holdings().items()}
+        return StepReport(
+            rank=self.rank, step=step, ok=True, stats=stats, snapshots=holdings, durable_done=done
+        )
+
+    def flush_snapshots(self) -> StepReport:
+        """Wait for durable writes in flight; report what is held (at the end of a job)."""
+        if self._durable is not None:
+            for handle in list(self._writes.values()):
+                with contextlib.suppress(Exception):
+                    self._durable.wait(handle)
+        self._join_exchange()
+        return self._report(self.step, StepStats())
+
+    def take_snapshot(self, step: int) -> float:
+        """Keep a packed copy of this worker's state at ``step`` and send one to the buddy.
+
+        The copy is taken now (so the next step cannot leak into it); the exchange with
+        buddy and ward runs on a background thread over the side group, overlapped with
+        training. Returns the seconds the caller was blocked.
+        """
+        start = time.perf_counter()
+        assert step == self.step, (step, self.step)
+        self._join_exchange()
+        packed = pack_state(self.module, self.optimizer, step)
+        self.peer.put(step, self.rank, packed)
+        comm, buddy, ward = self.comm, self.buddy, self.ward
+        if comm is not None and buddy is not None and ward is not None and buddy != self.rank:
+            self._exchange = threading.Thread(
+                target=self._swap_snapshots,
+                args=(comm, step, packed, buddy, ward),
+                name="peer-snapshot",
+                daemon=True,
+            )
+            self._exchange.start()
+        return time.perf_counter() - start
+
+    def _swap_snapshots(
+        self, comm: StageComm, step: int, packed: PackedState, buddy: int, ward: int
+    ) -> None:
+        header = torch.frombuffer(bytearray(packed.header()), dtype=torch.uint8)
+        sizes = torch.tensor([header.numel(), packed.nbytes], dtype=torch.int64)
+        try:
+            works = comm.side_isend([sizes, header, packed.data], buddy)
+            theirs = comm.side_recv(torch.empty(2, dtype=torch.int64), ward)
+            their_header = comm.side_recv(torch.empty(int(theirs[0]), dtype=torch.uint8), ward)
+            data = comm.side_recv(torch.empty(int(theirs[1]), dtype=torch.uint8), ward)
+            for work in works:
+                work.wait()
+            self.peer.put(step, ward, PackedState.from_parts(their_header.numpy().tobytes(), data))
+        except Exception:  # the generation ended under us: the snapshot is simply incomplete
+            return
+
+    def _join_exchange(self) -> None:
+        if self._exchange is not None:
+            self._exchange.join(timeout=60.0)
+            self._exchange = None
+
+    def restore_own(self, step: int) -> int:
+        """Roll back to this worker's own peer snapshot of ``step``. Returns the step."""
+        self.step = unpack_state(self.peer.get(step, self.rank), self.module, self.optimizer)
+        self.peer.discard_after(step)
+        return self.step
+
+    def send_snapshot(self, step: int, ward: int, dst: int) -> int:
+        """Send the held snapshot of ``ward`` at ``step`` to ``dst`` (its replacement). Returns bytes."""
+        assert self.comm is not None
+        packed = self.peer.get(step, ward)
+        header = torch.frombuffer(bytearray(packed.header()), dtype=torch.uint8)
+        sizes = torch.tensor([header.numel(), packed.nbytes], dtype=torch.int64)
+        for t in (sizes, header, packed.data):
+            self.comm.isend(t.to(self.comm.device), dst)
+        self.comm.wait_sends()
+        return int(header.numel() + packed.nbytes)
+
+    def recv_snapshot(self, step: int, src: int) -> int:
+        """Restore the snapshot of ``step`` that ``src`` holds for this rank. Returns the step."""
+        assert self.comm is not None
+        sizes = self.comm.recv(
+            torch.empty(2, dtype=torch.int64, device=self.comm.device), src
+        ).cpu()
+        header = self.comm.recv(
+            torch.empty(int(sizes[0]), dtype=torch.uint8, device=self.comm.device), src
+        )
+        data = self.comm.recv(
+            torch.empty(int(sizes[1]), dtype=torch.uint8, device=self.comm.device), src
+        )
+        packed = PackedState.from_parts(header.cpu().numpy().tobytes(), data.cpu())
+        self.step = unpack_state(packed, self.module, self.optimizer)
+        self.peer.discard_after(step)
+        self.peer.put(step, self.rank, packed)
+        return self.step
+
+    def durable_write(self, root: str, step: int) -> float:
+        """Start writing this worker's state at ``step`` to the durable tier (asynchronously).
+
+        Its completion shows in a later report's ``durable_done``. Returns seconds blocked.
+        """
+        start = time.perf_counter()
+        assert step == self.step, (step, self.step)
+        if self._durable is None or str(self._durable.root) != str(root):
+            self._durable = DurableStore(root)
+        self._writes[step] = self._durable.write(step, self.rank, self.module, self.optimizer)
+        return time.perf_counter() - start
+
+    def durable_load(self, root: str, step: int) -> int:
+        """Load this worker's durable snapshot of ``step``. Returns the step.
+
+        Raises:
+            SnapshotCorrupted: if its files do not match their checksums (nothing loaded).
+        """
+        if self._durable is not None:
+            self._durable.close()
+        self._writes = {}
+        self._durable = DurableStore(root)
+        self.step = self._durable.load(step, self.rank, self.module, self.optimizer)
+        self.peer.discard_after(step)
         return self.step
 
     def send_state(self, dsts: list[int]) -> int:

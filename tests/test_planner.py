@@ -58,7 +58,12 @@ def test_restart_plans_restore_everyone_from_the_newest_checkpoint(
     case: tuple[Topology, set[int], Redundancy], checkpoints: list[int]
 ) -> None:
     top, lost, redundancy = case
-    result = plan(top, lost, Redundancy(redundancy.alive, tuple(checkpoints)), RecoveryPolicy(strategy="restart"))
+    result = plan(
+        top,
+        lost,
+        Redundancy(redundancy.alive, tuple(checkpoints)),
+        RecoveryPolicy(strategy="restart"),
+    )
     if not lost:
         assert result.actions == ()
         return
@@ -92,3 +97,93 @@ def test_policy_validation() -> None:
         RecoveryPolicy(hang_timeout_s=0)
     with pytest.raises(ValueError, match="checkpoint_every"):
         RecoveryPolicy(checkpoint_every=0)
+
+
+# -- the full hierarchy: approximate rebuilds and rollback -----------------------------------
+
+
+@st.composite
+def hierarchy_cases(draw: st.DrawFn):  # type: ignore[no-untyped-def]
+    top = Topology(draw(st.integers(1, 6)), draw(st.integers(1, 3)))
+    lost = draw(st.sets(st.integers(0, top.world_size - 1), min_size=1))
+    step = draw(st.integers(10, 100))
+    alive = {r: step for r in range(top.world_size) if r not in lost}
+    steps = st.sets(st.sampled_from([step - 10, step - 5, step]), max_size=2)
+    own = {r: draw(steps) for r in range(top.world_size)}
+    held = {
+        h: {w: draw(steps) for w in draw(st.sets(st.integers(0, top.world_size - 1), max_size=2))}
+        for h in range(top.world_size)
+    }
+    durable = tuple(draw(st.sets(st.sampled_from([step - 20, step - 10]), max_size=2)))
+    policy = RecoveryPolicy(
+        approximate=draw(st.sampled_from([None, "checkfree", "checkfree+"])),
+        exact_only=draw(st.booleans()),
+        allowed=draw(
+            st.sampled_from(
+                [
+                    None,
+                    ("replica_copy", "rollback"),
+                    ("replica_copy", "neighbor_average", "edge_copy"),
+                ]
+            )
+        ),
+    )
+    return (
+        top,
+        lost,
+        Redundancy(alive=alive, peer_own=own, peer_held=held, durable_steps=durable),
+        policy,
+    )
+
+
+def _has_other_source(top: Topology, stage: int, lost: set[int], policy: RecoveryPolicy) -> bool:
+    """Brute force: can this stage be rebuilt without rolling back?"""
+    dead = {s for s in range(top.stages) if set(top.stage_group(s)) <= lost}
+    if stage not in dead:
+        return policy.allows("replica_copy")
+    if policy.exact_only or policy.approximate is None:
+        return False
+    if 0 < stage < top.stages - 1:
+        return policy.allows("neighbor_average") and not {stage - 1, stage + 1} & dead
+    partner = 1 if stage == 0 else top.stages - 2
+    return (
+        policy.approximate == "checkfree+"
+        and policy.allows("edge_copy")
+        and top.stages >= 4
+        and partner not in dead
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(hierarchy_cases())
+def test_hierarchy_invariants(case) -> None:  # type: ignore[no-untyped-def]
+    top, lost, redundancy, policy = case
+    needs_rollback = any(
+        not _has_other_source(top, top.worker(r).stage, lost, policy) for r in lost
+    )
+    try:
+        result = plan(top, lost, redundancy, policy)
+    except RedundancyExhausted:
+        assert needs_rollback  # exhausted only when some unit has no other allowed source
+        return
+    alive = set(redundancy.alive)
+    assert (result.tier is not None) == needs_rollback  # rollback iff no other source
+    if policy.exact_only:
+        assert result.exact
+    if result.tier is None:
+        assert sorted(a.rank for a in result.actions) == sorted(lost)
+        for a in result.actions:
+            assert set(a.sources) <= alive and not set(a.sources) & lost
+        return
+    # a rollback restores everyone, from a step that exists for every worker
+    assert policy.allows("rollback")
+    assert sorted(a.rank for a in result.actions) == list(range(top.world_size))
+    for a in result.actions:
+        assert a.strategy == "rollback"
+        if result.tier == "durable":
+            assert result.resume_step in redundancy.durable_steps
+        elif a.sources:
+            (holder,) = a.sources
+            assert holder in alive and result.resume_step in redundancy.peer_held[holder][a.rank]
+        else:
+            assert a.rank in alive and result.resume_step in redundancy.peer_own[a.rank]
