@@ -200,6 +200,8 @@ class Controller:
         self.durable_steps: list[int] = []
         self._durable_done: dict[int, set[int]] = {}
         self.resumed_from: int | None = None
+        self.timings: dict[str, list[float]] = {}
+        """Seconds the job was blocked, per kind of work (checkpoint and snapshot writes)."""
 
     # -- startup -------------------------------------------------------------------------
 
@@ -634,11 +636,26 @@ class Controller:
                 removed = self.durable.prune(self.policy.keep_durable, checksums=False)
                 self.durable_steps = [s for s in self.durable_steps if s not in removed]
 
+    def _commit_landed_durable(self) -> None:
+        """Mark complete the durable snapshots whose every rank's files are on disk.
+
+        A worker that died after its write landed never reported it; its manifest (renamed
+        into place only when the write was whole) is the proof instead.
+        """
+        if self.durable is None:
+            return
+        for step in sorted(self._durable_done):
+            with contextlib.suppress(FileNotFoundError):
+                self.durable.commit(step, self.topology.world_size, self._durable_meta())
+                del self._durable_done[step]
+                self.durable_steps.append(step)
+
     def _take_snapshots(self) -> None:
         """Start the snapshots due after this commit (see recovery/snapshots.py)."""
         actors = {rank: m.actor for rank, m in self.members.items()}
         every = self.policy.snapshot_every
         if every and self.topology.world_size > 1 and self.step % every == 0:
+            start = time.perf_counter()
             self._call(
                 actors,
                 "take_snapshot",
@@ -646,6 +663,7 @@ class Controller:
                 timeout_s=self.policy.hang_timeout_s,
                 what="take peer snapshots",
             )
+            self._timed("snapshot_write", start)
         every = self.policy.durable_every
         if (
             every
@@ -653,6 +671,7 @@ class Controller:
             and self.step % every == 0
             and self.step not in self.durable_steps
         ):
+            start = time.perf_counter()
             self._call(
                 actors,
                 "durable_write",
@@ -660,6 +679,8 @@ class Controller:
                 timeout_s=self.policy.hang_timeout_s,
                 what="start durable snapshots",
             )
+            self._timed("durable_write", start)
+            self._durable_done.setdefault(self.step, set())
 
     def _redundancy(self, alive: dict[int, int]) -> Redundancy:
         own = {r: self.holdings.get(r, {}).get(r, []) for r in alive}
@@ -698,6 +719,7 @@ class Controller:
         )
         lost |= set(errors)
         self._note_redundancy({r: rep for r, rep in reports.items() if r not in lost})
+        self._commit_landed_durable()
         for rank in lost:
             self.holdings.pop(rank, None)
         alive = {rank: rep.step for rank, rep in reports.items() if rank not in lost}
@@ -922,7 +944,11 @@ class Controller:
             )
         return "\n".join(lines)
 
+    def _timed(self, name: str, start: float) -> None:
+        self.timings.setdefault(name, []).append(time.perf_counter() - start)
+
     def _save_checkpoint(self) -> None:
+        start = time.perf_counter()
         self._call(
             {rank: m.actor for rank, m in self.members.items()},
             "save_checkpoint",
@@ -931,6 +957,7 @@ class Controller:
             what=f"checkpoint step {self.step}",
         )
         self.checkpoint_steps.append(self.step)
+        self._timed("checkpoint_write", start)
 
     # -- metrics -------------------------------------------------------------------------
 

@@ -40,6 +40,9 @@ class FitResult:
     startup_s: float
     """Seconds to start and set up the workers and form the first generation."""
     run_dir: Path | None = None
+    timings: dict[str, list[float]] = field(default_factory=dict)
+    """Seconds training was blocked per kind of work: ``checkpoint_write`` (the restart
+    baseline), ``snapshot_write`` (peer tier), ``durable_write`` (starting async writes)."""
     states: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict, repr=False)
 
     @property
@@ -209,6 +212,7 @@ class Trainer:
             wall_s=wall_s,
             startup_s=startup_s,
             run_dir=run_dir.path if run_dir else None,
+            timings=dict(controller.timings),
             states=states,
         )
         if run_dir is not None:

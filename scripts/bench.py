@@ -157,17 +157,21 @@ def _measured_bubble(metrics: list[dict[str, object]], warm: int) -> float:
 
 
 def recovery(args: argparse.Namespace) -> None:
-    """Kill one worker of a 4x2 job; time until training is back, per strategy, side by side."""
+    """Lose workers of a 4x2 job; time until training is back, per strategy, side by side."""
+    import json
     import random
+    import tempfile
 
     from recovery.faults import FailureSchedule, Kill, KillPoint
     from recovery.policy import RecoveryPolicy
+    from recovery.snapshots import buddies
 
     print(f"machine: {machine()}")
     rng = random.Random(args.seed)
     top = Topology(args.stages, args.replicas)
     rows: list[list[str]] = []
     transfer_rows: list[list[str]] = []
+    calibration: dict[str, float] = {}
     for preset in args.presets.split(","):
         spec = TrainSpec.llama(
             preset=preset,
@@ -179,43 +183,85 @@ def recovery(args: argparse.Namespace) -> None:
         params = sum(
             p.numel() for s in range(top.stages) for p in spec.build(s, top.stages).parameters()
         )
-        kill = Kill(step=args.kill_step, stage=1, replica=0, at=KillPoint.MID_PIPELINE)
-        cases = [
-            ("replica_copy, cold start", RecoveryPolicy(), kill, args.kill_step + 3),
-            ("replica_copy, warm spare", RecoveryPolicy(hot_spares=1), kill, args.kill_step + 3),
+        k = args.kill_step
+        kill = Kill(step=k, stage=1, replica=0, at=KillPoint.MID_PIPELINE)
+        group = [
+            Kill(step=k, stage=1, replica=r, at=KillPoint.MID_PIPELINE) for r in range(top.replicas)
         ]
+        ring = buddies(top, {r: "node" for r in range(top.world_size)})
+        with_buddies = sorted(
+            {top.rank(1, r) for r in range(top.replicas)}
+            | {ring[top.rank(1, r)] for r in range(top.replicas)}
+        )
+        group_and_buddies = [
+            Kill(step=k, stage=top.worker(r).stage, replica=top.worker(r).replica)
+            for r in with_buddies
+        ]
+        durable_dir = tempfile.mkdtemp(prefix="checkfree-bench-")
         lost = rng.randrange(1, args.restart_every)
         restart_kill = Kill(
             step=args.restart_every + lost, stage=1, replica=0, at=KillPoint.MID_PIPELINE
         )
-        cases.append(
+        every = max(1, k - 1)  # the last snapshot lands one step before the kill
+        cases = [
+            ("replica_copy, cold start", RecoveryPolicy(snapshot_every=None), [kill], k + 3),
+            (
+                "replica_copy, warm spare",
+                RecoveryPolicy(hot_spares=1, snapshot_every=None),
+                [kill],
+                k + 3,
+            ),
+            (
+                "rollback, peer tier",
+                RecoveryPolicy(exact_only=True, snapshot_every=every, hot_spares=top.replicas),
+                group,
+                k + 3,
+            ),
+            (
+                "rollback, durable tier",
+                RecoveryPolicy(
+                    exact_only=True,
+                    snapshot_every=every,
+                    durable_every=max(1, k // 2),  # an asynchronous write needs time to land
+                    snapshot_dir=durable_dir,
+                    hot_spares=len(with_buddies),
+                ),
+                group_and_buddies,
+                k + 3,
+            ),
             (
                 f"restart, checkpoint every {args.restart_every}",
-                RecoveryPolicy(strategy="restart", checkpoint_every=args.restart_every),
-                restart_kill,
+                RecoveryPolicy(
+                    strategy="restart", checkpoint_every=args.restart_every, snapshot_every=None
+                ),
+                [restart_kill],
                 restart_kill.step + 2,
-            )
-        )
+            ),
+        ]
         print(f"\n{preset}: {params / 1e6:.1f}M parameters, {top} workers", flush=True)
-        for name, policy, fault, steps in cases:
+        measured: dict[str, object] = {}
+        for name, policy, faults, steps in cases:
             result = Trainer(
                 spec,
                 topology=top,
                 policy=policy,
-                failures=FailureSchedule([fault]),
+                failures=FailureSchedule(faults),
                 collect_states=False,
             ).fit(steps)
             (event,) = result.events
             step_s = statistics.median(m["step_s"] for m in result.metrics)
             back = _back_at_failed_step(result.metrics, event.time, event.step)
             b = event.breakdown
+            measured[name] = (event, step_s, result.timings)
             rows.append(
                 [
                     preset,
                     name,
                     f"{event.seconds - b['resume']:.2f}",
                     f"{event.seconds:.2f}",
-                    f"{b['detect']:.2f} / {b['replace']:.2f} / {b['reform']:.2f} / {b['transfer']:.2f} / {b['resume']:.2f}",
+                    " / ".join(
+                        f"{b[p]:.2f}" for p in ("detect", "replace", "reform", "transfer", "resume")
+                    ),
                     str(event.lost_steps),
                     f"{back:.2f}",
                     f"{step_s:.2f}",
@@ -237,6 +283,8 @@ def recovery(args: argparse.Namespace) -> None:
                         f"{wire / 1e9:.2f}",
                     ]
                 )
+        if not calibration:
+            calibration = _calibration(measured, top)
     print()
     print(
         table(
@@ -269,9 +317,47 @@ def recovery(args: argparse.Namespace) -> None:
         )
     )
     print(
-        "\nkill -> first commit includes re-running the failed step (resume). The restart kill"
-        f" lands at a uniformly drawn step after the last checkpoint (seed {args.seed})."
+        "\nkill -> training again = detect + replace + reform + transfer; kill -> first commit adds"
+        " re-running the failed step (resume). The restart kill lands at a uniformly drawn step"
+        f" after the last checkpoint (seed {args.seed})."
     )
+    if args.calibration:
+        Path(args.calibration).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.calibration).write_text(json.dumps(calibration, indent=2) + "\n")
+        print(
+            f"\ncalibration for the simulator ({args.presets.split(',')[0]}) written to {args.calibration}"
+        )
+
+
+def _calibration(measured: dict[str, object], top: Topology) -> dict[str, object]:
+    """Costs measured by one model's recovery runs, as fields of simulations.costs.CostModel."""
+
+    def key(name: str) -> str:  # "rollback, peer tier" -> "rollback_peer"
+        head, _, tail = name.partition(", ")
+        return f"{head}_{tail.split()[0]}" if tail else head
+
+    by = {key(name): v for name, v in measured.items()}
+    cold, _, _ = by["replica_copy_cold"]  # type: ignore[misc]
+    warm, step_s, _ = by["replica_copy_warm"]  # type: ignore[misc]
+    peer, _, snap_t = by["rollback_peer"]  # type: ignore[misc]
+    restart, _, ckpt_t = by["restart_checkpoint"]  # type: ignore[misc]
+    state = warm.bytes_moved * top.stages  # one pipeline replica's state
+    return {
+        "_source": f"scripts/bench.py recovery on {machine()}, {top} workers",
+        "detect_s": statistics.median([cold.breakdown["detect"], warm.breakdown["detect"]]),
+        "replace_s": cold.breakdown["replace"],
+        "replace_warm_s": warm.breakdown["replace"],
+        "reform_s": statistics.median([cold.breakdown["reform"], warm.breakdown["reform"]]),
+        "restart_s": restart.breakdown["replace"] + restart.breakdown["reform"],
+        "step_s": step_s,
+        "model_state_bytes": state,
+        "model_weight_bytes": state / 3,  # AdamW: weights and two moments
+        "transfer_bytes_per_s": warm.bytes_moved / max(warm.breakdown["transfer"], 1e-9),
+        "checkpoint_write_s": statistics.median(ckpt_t.get("checkpoint_write", [0.0])),
+        "checkpoint_load_s": restart.breakdown["transfer"],
+        "snapshot_write_s": statistics.median(snap_t.get("snapshot_write", [0.0])),
+        "snapshot_load_s": peer.breakdown["transfer"],
+    }
 
 
 def _back_at_failed_step(metrics: list[dict[str, float]], struck: float, step: int) -> float:
@@ -362,6 +448,11 @@ def main(argv: list[str] | None = None) -> int:
         "--restart-every", type=int, default=50, help="checkpoint interval of the restart baseline"
     )
     r.add_argument("--seed", type=int, default=0, help="seed for the restart baseline's kill step")
+    r.add_argument(
+        "--calibration",
+        default=None,
+        help="write the measured costs (first preset) here, for the simulator",
+    )
     args = p.parse_args(argv)
     start = time.perf_counter()
     {"throughput": throughput, "recovery": recovery}[args.command](args)

@@ -162,7 +162,7 @@ def run_runtime_kind(
         for c in cells
         if (runs / f"{c.name}.json").exists()
     ]
-    _runtime_outputs(rows, out, figures)
+    _runtime_outputs(rows, out, figures, simulated_goodput(data, rows))
     return rows
 
 
@@ -170,7 +170,74 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def _runtime_outputs(rows: list[dict[str, Any]], out: Path, figures: Path | None) -> None:
+def simulated_goodput(
+    data: Mapping[str, Any], rows: list[dict[str, Any]]
+) -> dict[tuple[str, float], float]:
+    """The simulator's goodput for each (strategy, rate) of a runtime experiment.
+
+    The ``[simulate]`` table names a calibration file (``scripts/bench.py recovery
+    --calibration``) and, per policy, the simulator strategy that models it
+    (``[simulate.as.<policy>]`` with ``strategy`` and its options). The simulated job is
+    the real one: ``pp = stages``, ``dp = replicas``, one GPU per worker on one node,
+    exponential worker failures at the real per-step kill rate, the real steps' median
+    time, over the real runs' mean wall time.
+    """
+    from simulations.cluster import (
+        CheckpointRestart,
+        Job,
+        Layout,
+        SnapshotPolicy,
+        make_strategy,
+        simulate,
+    )
+    from simulations.costs import CostModel
+    from simulations.traces import ExponentialFailures
+
+    sim = data.get("simulate")
+    if not sim:
+        return {}
+    base = CostModel.from_json(sim["calibration"])
+    job_cfg = data.get("job", {})
+    stages, replicas = int(job_cfg.get("stages", 4)), int(job_cfg.get("replicas", 2))
+    layout = Layout(pp=stages, dp=replicas, tp=1)
+    job = Job(gpus=layout.gpus, layout=layout, gpus_per_node=layout.gpus)
+    out: dict[tuple[str, float], float] = {}
+    for (strategy, rate), rs in _groups(rows).items():
+        model = dict(sim.get("as", {}).get(strategy, {}))
+        if not model or rate <= 0:
+            continue
+        step_s = _mean([r["step_s"] for r in rs])
+        name = model.pop("strategy")
+        if name == "checkpoint_restart":
+            chosen = CheckpointRestart(interval_s=float(model.pop("checkpoint_every")) * step_s)
+        else:
+            every = model.pop("snapshot_every", None)
+            chosen = make_strategy(
+                name, snapshots=SnapshotPolicy(every_steps=every, durable_every_s=None), **model
+            )
+        costs = CostModel.from_dict({**base.__dict__, "step_s": step_s})
+        failures = ExponentialFailures(mtbf_hours=step_s / rate / 3600.0)
+        horizon = _mean([r["wall_s"] for r in rs])
+        result = simulate(
+            job, failures, [chosen], horizon_s=horizon, costs=costs, seeds=200, keep_events=False
+        )
+        out[(strategy, rate)] = result[chosen.name].goodput_ci()[0]
+    return out
+
+
+def _groups(rows: list[dict[str, Any]]) -> dict[tuple[str, float], list[dict[str, Any]]]:
+    groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["strategy"], r["rate"]), []).append(r)
+    return groups
+
+
+def _runtime_outputs(
+    rows: list[dict[str, Any]],
+    out: Path,
+    figures: Path | None,
+    simulated: Mapping[tuple[str, float], float] | None = None,
+) -> None:
     flat = [
         {k: v for k, v in r.items() if k not in ("curve", "events", "lost_s")}
         | {f"lost_{c.replace(' ', '_')}_s": r["lost_s"][c] for c in CAUSES}
@@ -178,17 +245,18 @@ def _runtime_outputs(rows: list[dict[str, Any]], out: Path, figures: Path | None
     ]
     _write_csv(out / "results.csv", flat)
     _write_json(out / "results.json", flat)
-    groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
-    for r in rows:
-        groups.setdefault((r["strategy"], r["rate"]), []).append(r)
+    simulated = simulated or {}
     lines = [
-        "| strategy | kill rate / worker-step | runs | failures | goodput | wall (s) | lost steps | final loss |",
-        "|---|---|---|---|---|---|---|---|",
+        "| strategy | kill rate / worker-step | runs | failures | goodput | simulated goodput "
+        "| wall (s) | lost steps | final loss |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for (strategy, rate), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    for (strategy, rate), rs in sorted(_groups(rows).items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        sim = simulated.get((strategy, rate))
         lines.append(
             f"| {strategy} | {rate:g} | {len(rs)} | {_mean([r['failures'] for r in rs]):.1f} | "
-            f"{_mean([r['goodput'] for r in rs]):.3f} | {_mean([r['wall_s'] for r in rs]):.1f} | "
+            f"{_mean([r['goodput'] for r in rs]):.3f} | {'-' if sim is None else f'{sim:.3f}'} | "
+            f"{_mean([r['wall_s'] for r in rs]):.1f} | "
             f"{_mean([r['lost_steps'] for r in rs]):.1f} | {_mean([r['final_loss'] for r in rs]):.3f} |"
         )
     table = "\n".join(lines)
