@@ -227,6 +227,7 @@ class StageComm:
         bind_host: str,
         *,
         side_group: bool = False,
+        tied: tuple[int, ...] = (),
     ) -> None:
         self.topology = topology
         self.rank = rank
@@ -246,6 +247,14 @@ class StageComm:
             stage_store = dist.PrefixStore(f"stage{self.worker.stage}", self._store)
             self._stage = _make_group(
                 backend, stage_store, self.worker.replica, topology.replicas, bind_host, timeout
+            )
+        # The workers that hold bit-identical replicas of some parameters (CheckFree+'s
+        # (de)embedding on stages 0 and 1, or S-2 and S-1), every replica of both stages.
+        self._tied: _Group | None = None
+        if tied:
+            tied_store = dist.PrefixStore("tied" + "_".join(map(str, tied)), self._store)
+            self._tied = _make_group(
+                backend, tied_store, tied.index(rank), len(tied), bind_host, timeout
             )
         # A second, always-Gloo world group for traffic that runs beside the step on another
         # thread (peer snapshots in host memory): it never competes with the step's ordering.
@@ -363,6 +372,16 @@ class StageComm:
             return None
         return self._stage.allreduce([tensor])
 
+    def allreduce_tied(self, tensor: torch.Tensor) -> dist.Work:
+        """Start a sum all-reduce of ``tensor`` over the holders of this worker's tied parameters.
+
+        Raises:
+            RuntimeError: if the groups were closed or this worker holds no tied parameters.
+        """
+        if self.closed or self._tied is None:
+            raise RuntimeError("no tied group in this generation (closed, or nothing shared)")
+        return self._tied.allreduce([tensor])
+
     def barrier(self) -> None:
         """Block until every worker of the generation reaches this point."""
         self.world.allreduce([torch.zeros(1, device=self.device)]).wait()
@@ -377,10 +396,11 @@ class StageComm:
         if self._transport is not None:
             self._transport.shut_down()
             self._transport = None
-        groups = [g for g in (self._world, self._stage, self._side) if g is not None]
+        groups = [g for g in (self._world, self._stage, self._tied, self._side) if g is not None]
         self._pending = []
         self._world = None
         self._stage = None
+        self._tied = None
         self._side = None
         self._store = None
         for group in groups:

@@ -88,6 +88,8 @@ class StageEngine:
         loss_fn: LossFn,
         device: torch.device,
         clip_grad_norm: float | None = None,
+        shared: Sequence[str] = (),
+        shared_is_home: bool = True,
     ) -> None:
         self.module = module
         self.stage = stage
@@ -96,7 +98,19 @@ class StageEngine:
         self.loss_fn = loss_fn
         self.device = device
         self.clip_grad_norm = clip_grad_norm
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        shared_names = set(shared)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        unknown = shared_names - {n for n, _ in named}
+        if unknown:
+            raise ValueError(
+                f"shared parameters {sorted(unknown)} are not parameters of stage {stage}"
+            )
+        self.params = [p for n, p in named if n not in shared_names]
+        """The stage's own parameters (averaged over its replicas)."""
+        self.shared = [p for n, p in named if n in shared_names]
+        """Parameters held bit-identically by another stage too: their gradient is summed
+        over every holder (see `StageComm.allreduce_tied`) and clipped as a group."""
+        self.shared_is_home = shared_is_home
 
     def _rank(self, stage: int) -> int:
         return self.topology.rank(stage, self.replica)
@@ -203,38 +217,68 @@ class StageEngine:
         return stats
 
     def _reduce_gradients(self, comm: StageComm | None, hook: Hook, stats: StepStats) -> None:
-        for p in self.params:
+        for p in (*self.params, *self.shared):
             if p.grad is None:  # a parameter unused this step still takes part in the reduction
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in self.params if p.grad is not None]
         replicas = self.topology.replicas
-        if replicas > 1 and grads:
+        own = [p.grad for p in self.params if p.grad is not None]
+        works = []
+        if replicas > 1 and own:
             assert comm is not None
-            flat = _flatten_dense_tensors(grads)
-            work = comm.allreduce_stage(flat)
-            hook(DURING_ALLREDUCE)
+            flat = _flatten_dense_tensors(own)
+            works.append((comm.allreduce_stage(flat), flat, own))
+        if self.shared:
+            # Sum over both holders of every replica, then average over replicas: each holder
+            # gets the same bits (an all-reduce leaves identical results on every rank).
+            assert comm is not None
+            tied = [p.grad for p in self.shared if p.grad is not None]
+            flat_tied = _flatten_dense_tensors(tied)
+            works.append((comm.allreduce_tied(flat_tied), flat_tied, tied))
+        hook(DURING_ALLREDUCE)
+        for work, flat, grads in works:
             if work is not None:
-                comm.wait(work)
-            flat.div_(replicas)
+                comm.wait(work)  # type: ignore[union-attr]
+            if replicas > 1:
+                flat.div_(replicas)
             for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
                 grad.copy_(reduced)
-        else:
-            hook(DURING_ALLREDUCE)
-        norm, clipped = clip_gradients(self.params, self.clip_grad_norm)
+        norm, clipped = clip_gradients(
+            self.params, self.clip_grad_norm, self.shared, shared_is_home=self.shared_is_home
+        )
         stats.grad_norm, stats.clipped_grad_norm = norm, clipped
 
 
-def clip_gradients(params: Sequence[nn.Parameter], max_norm: float | None) -> tuple[float, float]:
-    """The L2 norm of ``params``' gradients, clipped in place to ``max_norm`` if given.
-
-    Returns ``(norm before clipping, norm after)``. The single-process reference trainer
-    calls this too, so both compute the same arithmetic.
-    """
+def _clip_group(params: Sequence[nn.Parameter], max_norm: float | None) -> tuple[float, float]:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0, 0.0
-    if max_norm is None:
-        norm = float(torch.nn.utils.get_total_norm(grads))
+    norm = float(torch.nn.utils.get_total_norm(grads))
+    if max_norm is None or not math.isfinite(norm) or norm <= max_norm:
         return norm, norm
-    norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    return norm, min(norm, max_norm) if math.isfinite(norm) else norm
+    torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm)
+    return norm, float(max_norm)
+
+
+def clip_gradients(
+    params: Sequence[nn.Parameter],
+    max_norm: float | None,
+    shared: Sequence[nn.Parameter] = (),
+    *,
+    shared_is_home: bool = True,
+) -> tuple[float, float]:
+    """Clip a stage's gradient in place; return ``(norm before, recorded norm after)``.
+
+    ``params`` are clipped to ``max_norm`` by their own norm, and ``shared`` -- parameters
+    the stage holds a bit-identical replica of with another stage (CheckFree+) -- as a
+    group of their own, so both holders scale them by the same factor. The recorded norm
+    (what CheckFree's weights read) is that of ``params`` after clipping, combined with
+    ``shared``'s on their home stage. Without ``max_norm`` nothing is scaled. The
+    single-process reference and the convergence simulator call this too, so all compute
+    the same arithmetic.
+    """
+    own_before, own_after = _clip_group(params, max_norm)
+    if not shared:
+        return own_before, own_after
+    shared_before, shared_after = _clip_group(shared, max_norm)
+    after = math.hypot(own_after, shared_after) if shared_is_home else own_after
+    return math.hypot(own_before, shared_before), after

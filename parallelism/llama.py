@@ -14,6 +14,20 @@ A stage keeps its blocks in ``layers`` indexed from 0, whatever their global pos
 therefore have identical ``state_dict`` keys and shapes, which is what stage averaging
 (CheckFree's ``neighbor_average``) and stage copying (``edge_copy``) work on: a stage
 rebuilt from its neighbours is a key-by-key combination of their state dicts.
+
+[Note: CheckFree+ edge replicas]
+CheckFree+ runs odd microbatches with the first two and the last two stages swapped, so
+stage 1 must be able to act first (embed tokens) and stage ``S-2`` to act last (final norm
++ head). `build_llama_stage` with ``edge_replicas=True`` gives stage 1 a replica of the
+token embedding and stage ``S-2`` a replica of the final norm and output head. A stage
+*holds* these modules but only *uses* them when a route puts it first / last:
+``acts_first`` / ``acts_last`` (what ``forward`` does by default) stay those of its
+natural position. The replicas are the same parameters as the originals and must stay
+bit-identical to them: both holders draw them at construction from a generator seeded
+by ``replica_seed`` alone (not by the stage's seed), and every step the runtime sums the
+gradients of each tied pair across its two holders before clipping and the optimizer
+step (`edge_replica_keys` names them, `edge_partner` says who holds the other copy).
+Equal weights, equal gradients and equal optimizer settings then give equal updates.
 """
 
 from __future__ import annotations
@@ -28,6 +42,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from parallelism.seeding import derive_seed
 
 _INIT_STD = 0.02
 
@@ -243,9 +259,23 @@ class LlamaStage(nn.Module):
     ``1/sqrt(2 * n_layers)``, norm scales 1. Blocks are named from 0 within the stage (see
     [Note: stage-local block names]); the rotary tables are non-persistent buffers.
 
+    Args:
+        config: the model's shape.
+        blocks: the global indices of this stage's transformer blocks.
+        embedding, head: whether the stage holds the token embedding / the final norm and
+            output head.
+        acts_first, acts_last: whether ``forward`` acts as the first / last stage by
+            default (its natural pipeline position); default ``embedding`` / ``head``. A
+            CheckFree+ replica holder holds an embedding (head) but does not act first
+            (last) unless a route says so (see [Note: CheckFree+ edge replicas]).
+        replica_seed: if given, the embedding and the head are drawn from generators
+            seeded by it alone instead of the torch RNG, so that every holder of a
+            replica starts with the same values; the blocks still come from the torch RNG.
+
     Raises:
         ValueError: if ``blocks`` is not a contiguous ascending range inside
-            ``0..n_layers-1``.
+            ``0..n_layers-1``, or ``acts_first`` (``acts_last``) is set without
+            ``embedding`` (``head``).
     """
 
     tok_embeddings: nn.Embedding | None
@@ -254,8 +284,24 @@ class LlamaStage(nn.Module):
     rope_cos: Tensor
     rope_sin: Tensor
 
-    def __init__(self, config: LlamaConfig, blocks: range, *, embedding: bool, head: bool) -> None:
+    def __init__(
+        self,
+        config: LlamaConfig,
+        blocks: range,
+        *,
+        embedding: bool,
+        head: bool,
+        acts_first: bool | None = None,
+        acts_last: bool | None = None,
+        replica_seed: int | None = None,
+    ) -> None:
         super().__init__()
+        acts_first = embedding if acts_first is None else acts_first
+        acts_last = head if acts_last is None else acts_last
+        if acts_first and not embedding:
+            raise ValueError("acts_first=True needs embedding=True: the first stage embeds tokens")
+        if acts_last and not head:
+            raise ValueError("acts_last=True needs head=True: the last stage computes logits")
         if not isinstance(blocks, range) or blocks.step != 1:
             raise ValueError(f"blocks must be a range with step 1, got {blocks!r}")
         if len(blocks) and not (blocks.start >= 0 and blocks.stop <= config.n_layers):
@@ -265,10 +311,17 @@ class LlamaStage(nn.Module):
             )
         self.config = config
         self.block_range = blocks
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim) if embedding else None
+        self.acts_first = acts_first
+        self.acts_last = acts_last
+        self.replica_seed = replica_seed
+        # With a replica seed, building the embedding and head must not consume the torch
+        # RNG, so that the blocks are drawn exactly as in a build without replicas.
+        with torch.random.fork_rng(devices=[], enabled=replica_seed is not None):
+            self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim) if embedding else None
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in blocks)
         self.norm = RMSNorm(config.dim, config.norm_eps) if head else None
-        self.output = nn.Linear(config.dim, config.vocab_size, bias=False) if head else None
+        with torch.random.fork_rng(devices=[], enabled=replica_seed is not None):
+            self.output = nn.Linear(config.dim, config.vocab_size, bias=False) if head else None
         cos, sin = _rotary_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -286,10 +339,18 @@ class LlamaStage(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """(Re)initialise every parameter from the current torch RNG, in module order."""
+        """(Re)initialise every parameter from the current torch RNG, in module order.
+
+        With a ``replica_seed``, the embedding and the head come from their own generators
+        seeded by it instead (see [Note: CheckFree+ edge replicas]).
+        """
         residual_std = _INIT_STD / math.sqrt(2 * self.config.n_layers)
         if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, std=_INIT_STD)
+            nn.init.normal_(
+                self.tok_embeddings.weight,
+                std=_INIT_STD,
+                generator=self._replica_generator("tok_embeddings"),
+            )
         for block in self.layers:
             assert isinstance(block, TransformerBlock)
             attn, ffn = block.attention, block.feed_forward
@@ -302,7 +363,14 @@ class LlamaStage(nn.Module):
         if self.norm is not None:
             nn.init.ones_(self.norm.weight)
         if self.output is not None:
-            nn.init.normal_(self.output.weight, std=_INIT_STD)
+            nn.init.normal_(
+                self.output.weight, std=_INIT_STD, generator=self._replica_generator("output")
+            )
+
+    def _replica_generator(self, name: str) -> torch.Generator | None:
+        if self.replica_seed is None:
+            return None
+        return torch.Generator().manual_seed(derive_seed(self.replica_seed, "replica", name))
 
     def forward(self, x: Tensor, *, first: bool | None = None, last: bool | None = None) -> Tensor:
         """Run this slice.
@@ -310,9 +378,9 @@ class LlamaStage(nn.Module):
         Args:
             x: token ids ``[B, T]`` (integer) if acting as the first stage, else the hidden
                 state ``[B, T, dim]``.
-            first: act as the first stage (embed ``x``); defaults to ``has_embedding``.
+            first: act as the first stage (embed ``x``); defaults to ``acts_first``.
             last: act as the last stage (final norm + head -> logits ``[B, T, vocab]``);
-                defaults to ``has_head``.
+                defaults to ``acts_last``.
 
         Returns:
             Logits ``[B, T, vocab_size]`` if acting last, else the hidden state ``[B, T, dim]``.
@@ -321,8 +389,8 @@ class LlamaStage(nn.Module):
             ValueError: if asked to act first (last) without holding the embedding (head),
                 or ``x`` has the wrong shape or dtype, or ``T > max_seq_len``.
         """
-        first = self.has_embedding if first is None else first
-        last = self.has_head if last is None else last
+        first = self.acts_first if first is None else first
+        last = self.acts_last if last is None else last
         cfg = self.config
         if first:
             if self.tok_embeddings is None:
@@ -356,10 +424,13 @@ class LlamaStage(nn.Module):
         return h
 
     def extra_repr(self) -> str:
-        return (
+        text = (
             f"blocks={_blocks_str(self.block_range)}, embedding={self.has_embedding}, "
             f"head={self.has_head}"
         )
+        if self.acts_first != self.has_embedding or self.acts_last != self.has_head:
+            text += f", acts_first={self.acts_first}, acts_last={self.acts_last}"
+        return text
 
 
 def _blocks_str(blocks: range) -> str:
@@ -439,17 +510,100 @@ def _partition_dp(
     return final, cuts[::-1]
 
 
-def build_llama_stage(config: LlamaConfig, stage: int, num_stages: int) -> LlamaStage:
+def build_llama_stage(
+    config: LlamaConfig,
+    stage: int,
+    num_stages: int,
+    *,
+    edge_replicas: bool = False,
+    replica_seed: int = 0,
+) -> LlamaStage:
     """Build stage ``stage`` of ``num_stages``: the embedding iff first, the head iff last.
 
+    With ``edge_replicas`` (CheckFree+, ``num_stages >= 4``), stage 1 also holds a replica
+    of the token embedding and stage ``num_stages - 2`` a replica of the final norm and
+    head; every holder of the embedding or head then draws it from ``replica_seed`` so
+    the copies start bit-identical (see [Note: CheckFree+ edge replicas]). The blocks
+    always come from the torch RNG.
+
     Raises:
-        ValueError: if ``stage`` is outside ``0..num_stages-1`` or the model cannot be cut
-            into ``num_stages`` stages (see `partition_layers`).
+        ValueError: if ``stage`` is outside ``0..num_stages-1``, the model cannot be cut
+            into ``num_stages`` stages (see `partition_layers`), or ``edge_replicas`` is
+            asked for with fewer than 4 stages.
     """
     ranges = partition_layers(config, num_stages)
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
         raise ValueError(f"stage {stage!r} outside 0..{num_stages - 1}")
-    return LlamaStage(config, ranges[stage], embedding=stage == 0, head=stage == num_stages - 1)
+    first, last = stage == 0, stage == num_stages - 1
+    if not edge_replicas:
+        return LlamaStage(config, ranges[stage], embedding=first, head=last)
+    _check_edge_stages(num_stages)
+    return LlamaStage(
+        config,
+        ranges[stage],
+        embedding=stage in (0, 1),
+        head=stage in (num_stages - 2, num_stages - 1),
+        acts_first=first,
+        acts_last=last,
+        replica_seed=replica_seed,
+    )
+
+
+_EMBEDDING_KEYS = ("tok_embeddings.weight",)
+_HEAD_KEYS = ("norm.weight", "output.weight")
+
+
+def _check_edge_stages(num_stages: int) -> None:
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 4:
+        raise ValueError(
+            f"CheckFree+ edge replicas need num_stages >= 4 (the first and the last pair of "
+            f"stages must be distinct), got num_stages={num_stages!r}"
+        )
+
+
+def edge_partner(stage: int, num_stages: int) -> int | None:
+    """The CheckFree+ swap partner of ``stage``: 0 <-> 1 and ``S-1`` <-> ``S-2``, else ``None``.
+
+    The partner acts in the stage's position on swapped routes, holds the replica of its
+    (de)embedding and is the source `edge_copy` rebuilds an edge stage from.
+
+    Raises:
+        ValueError: if ``num_stages < 4`` or ``stage`` is outside ``0..num_stages-1``.
+    """
+    _check_edge_stages(num_stages)
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
+        raise ValueError(f"stage {stage!r} outside 0..{num_stages - 1}")
+    return {0: 1, 1: 0, num_stages - 2: num_stages - 1, num_stages - 1: num_stages - 2}.get(stage)
+
+
+def edge_replica_keys(stage: int, num_stages: int) -> list[str]:
+    """State-dict keys that ``stage`` shares bit-identically with its `edge_partner`.
+
+    Stages 0 and 1 share the token embedding, stages ``S-2`` and ``S-1`` the final norm and
+    output head; the other stages share nothing. The runtime sums the gradients of these
+    parameters over the two holders every step (see [Note: CheckFree+ edge replicas]).
+    The copy on stage 0 / ``S-1`` is the *home* copy: it is part of that stage's own
+    gradient norm; the copy on stage 1 / ``S-2`` is the replica.
+
+    Raises:
+        ValueError: if ``num_stages < 4`` or ``stage`` is outside ``0..num_stages-1``.
+    """
+    partner = edge_partner(stage, num_stages)
+    if partner is None:
+        return []
+    return list(_EMBEDDING_KEYS if min(stage, partner) == 0 else _HEAD_KEYS)
+
+
+def edge_replica_home(stage: int, num_stages: int) -> bool:
+    """Whether ``stage`` is the home (not the replica) holder of its shared keys.
+
+    True for stages 0 and ``S-1`` (and for stages without shared keys, vacuously).
+
+    Raises:
+        ValueError: if ``num_stages < 4`` or ``stage`` is outside ``0..num_stages-1``.
+    """
+    partner = edge_partner(stage, num_stages)
+    return partner is None or stage in (0, num_stages - 1)
 
 
 def llama_loss(logits: Tensor, targets: Tensor) -> Tensor:

@@ -48,9 +48,12 @@ from recovery.faults import FailureSchedule, Fault, Kill, KillNode, WorkerFault
 from recovery.placement import place, replacement_node
 from recovery.planner import (
     DURABLE_TIER,
+    EDGE_COPY,
+    NEIGHBOR_AVERAGE,
     REPLICA_COPY,
     RESTART,
     ROLLBACK,
+    Action,
     RecoveryPlan,
     Redundancy,
     plan,
@@ -200,6 +203,8 @@ class Controller:
         self.durable_steps: list[int] = []
         self._durable_done: dict[int, set[int]] = {}
         self.resumed_from: int | None = None
+        self.grad_norms: list[float | None] = [None] * topology.stages
+        """Each stage's clipped gradient norm at the last committed step (CheckFree weights)."""
         self.timings: dict[str, list[float]] = {}
         """Seconds the job was blocked, per kind of work (checkpoint and snapshot writes)."""
 
@@ -417,6 +422,7 @@ class Controller:
         """Perform one transition of the state machine and return the new phase."""
         if self.phase is Phase.RUNNING:
             if self.step >= self.target_steps:
+                self._finish_event(resumed=False)  # a recovery after the last commit
                 self.phase = Phase.FINISHED
             else:
                 self._train_step()
@@ -477,6 +483,7 @@ class Controller:
         )
         elapsed = time.perf_counter() - start
         record = self._record(step, reports, elapsed)
+        self.grad_norms = list(record.grad_norms)
         self.step = step + 1
         if errors:  # died while applying: the step is committed for everyone else
             self.records.append(record)
@@ -869,21 +876,54 @@ class Controller:
                     what=f"load the checkpoint of step {recovery.resume_step}",
                 )
             return 0
+        refs: dict[tuple[int, str], Any] = {}
         by_source: dict[int, list[int]] = {}
         for action in recovery.actions:
-            assert action.strategy == REPLICA_COPY, action
-            by_source.setdefault(action.sources[0], []).append(action.rank)
-        refs: dict[int, Any] = {}
+            if action.strategy == REPLICA_COPY:
+                by_source.setdefault(action.sources[0], []).append(action.rank)
         for src, dsts in by_source.items():
-            refs[src] = self.members[src].actor.send_state.remote(dsts)
+            refs[(src, "send")] = self.members[src].actor.send_state.remote(dsts)
             for dst in dsts:
-                refs[dst] = self.members[dst].actor.recv_state.remote(src)
-        results, errors = self._gather(refs, self.config.start_timeout_s)
+                refs[(dst, "copy")] = self.members[dst].actor.recv_state.remote(src)
+        for action in recovery.actions:
+            if action.strategy in (NEIGHBOR_AVERAGE, EDGE_COPY):
+                refs.update(self._start_rebuild(action, recovery.resume_step))
+        keys = list(refs)
+        results, errors = self._gather(
+            {i: refs[k] for i, k in enumerate(keys)}, self.config.start_timeout_s
+        )
         if errors:
             raise RecoveryError(_describe_errors("transfer state", errors))
-        steps = {results[a.rank][0] for a in recovery.actions}
+        got = {k: results[i] for i, k in enumerate(keys)}
+        steps = {got[(a.rank, "copy")][0] for a in recovery.actions if a.strategy == REPLICA_COPY}
         assert steps <= {recovery.resume_step}, (steps, recovery.resume_step)
-        return sum(int(results[src]) for src in by_source)
+        for action in recovery.actions:  # a rebuilt stage has no gradient history yet
+            if action.strategy in (NEIGHBOR_AVERAGE, EDGE_COPY):
+                self.grad_norms[self.topology.worker(action.rank).stage] = None
+        return sum(int(v) for k, v in got.items() if k[1] == "send" or k[1].startswith("named"))
+
+    def _start_rebuild(self, action: Action, step: int) -> dict[tuple[int, str], Any]:
+        """Start a CheckFree(+) rebuild of ``action.rank`` from its neighbours' live workers."""
+        stage = self.topology.worker(action.rank).stage
+        if action.strategy == NEIGHBOR_AVERAGE:
+            roles = {"prev": action.sources[0], "next": action.sources[1]}
+        else:  # edge_copy: stage 0 copies stage 1 (its next), stage S-1 copies S-2 (its prev)
+            roles = {"next" if stage == 0 else "prev": action.sources[0]}
+        config = self.policy.checkfree
+        moments = not config.reset_optimizer or self.spec.shared_params is not None
+        refs: dict[tuple[int, str], Any] = {}
+        for role, src in roles.items():
+            refs[(src, f"named{action.rank}{role}")] = self.members[
+                src
+            ].actor.send_named_state.remote(action.rank, moments)
+        norms = (
+            self.grad_norms[stage - 1] if stage > 0 else None,
+            self.grad_norms[stage + 1] if stage + 1 < self.topology.stages else None,
+        )
+        refs[(action.rank, "rebuild")] = self.members[action.rank].actor.rebuild.remote(
+            action.strategy, roles, norms, config, step
+        )
+        return refs
 
     def _rollback(self, recovery: RecoveryPlan) -> int:
         """Every worker restores the plan's snapshot: its own copy, a holder's, or the durable tier."""
@@ -925,13 +965,16 @@ class Controller:
                 held[rank] = [s for s in held[rank] if s <= step]
         return moved
 
-    def _finish_event(self) -> None:
-        """After the first commit following a recovery, close and publish its event."""
+    def _finish_event(self, *, resumed: bool = True) -> None:
+        """After the first commit following a recovery, close and publish its event.
+
+        ``resumed=False``: the job ended with the recovery (no step left to resume).
+        """
         if self._pending_event is None:
             return
         event, recovered_at = self._pending_event
         self._pending_event = None
-        event.breakdown["resume"] = time.time() - recovered_at
+        event.breakdown["resume"] = time.time() - recovered_at if resumed else 0.0
         event.seconds = sum(event.breakdown.values())
         self.events.append(event)
         self.on_event(event)

@@ -25,7 +25,12 @@ from parallelism.topology import Topology
 
 
 class KillPoint(str, enum.Enum):
-    """Where inside a step a fault strikes."""
+    """Where inside a step a fault strikes.
+
+    If the step is aborted (another worker failed first) before a kill's point inside
+    phase one is reached, the kill strikes at the abort: the failures injected into one
+    step strike together instead of one of them moving to the retried step.
+    """
 
     BEFORE_FORWARD = "before_forward"
     """At the start of the step, before any microbatch."""

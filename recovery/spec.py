@@ -61,6 +61,14 @@ class TrainSpec:
     check_stages: Callable[[int], object] | None = None
     """``num_stages -> anything``, run on the driver before any worker starts; raises
     ``ValueError`` if the model cannot be cut into that many stages."""
+    routes: str = "natural"
+    """Microbatch routes through the stages: ``"natural"``, or ``"swapped"`` (CheckFree+:
+    the first two and the last two stages run in swapped order on odd microbatches; the
+    stage modules must accept ``first=`` / ``last=``)."""
+    shared_params: Callable[[int, int], list[str]] | None = None
+    """``(stage, num_stages) -> parameter names`` the stage holds bit-identical replicas of
+    with its swap partner (CheckFree+'s (de)embedding replicas); their gradients are summed
+    over both holders every step. None: nothing shared."""
     name: str = "custom"
     """A short name for logs and summaries."""
 
@@ -79,6 +87,12 @@ class TrainSpec:
         if self.schedule not in SCHEDULES:
             raise ValueError(
                 f"unknown schedule {self.schedule!r}; choose one of {sorted(SCHEDULES)}"
+            )
+        if self.routes not in ("natural", "swapped"):
+            raise ValueError(f"routes must be 'natural' or 'swapped', got {self.routes!r}")
+        if self.shared_params is not None and not callable(self.shared_params):
+            raise ValueError(
+                f"TrainSpec.shared_params must be callable or None, got {self.shared_params!r}"
             )
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm must be positive or None, got {self.clip_grad_norm}")
@@ -139,6 +153,10 @@ class TrainSpec:
         """
         if self.check_stages is not None:
             self.check_stages(topology.stages)
+        if self.routes == "swapped" and topology.stages < 4:
+            raise ValueError(
+                f"swapped routes (CheckFree+) need at least 4 stages, got {topology.stages}"
+            )
         _, targets = self.split(self.batches(0, 0, topology.replicas), step=0, replica=0)
         if self.val_batches is not None:
             self.split(self.val_batches(0, 0, topology.replicas), step=0, replica=0)
@@ -162,6 +180,7 @@ class TrainSpec:
         schedule: str = "1f1b",
         seed: int = 0,
         max_bytes: int = 8_000_000,
+        checkfree_plus: bool = False,
         **config_overrides: int | float,
     ) -> TrainSpec:
         """A LLaMA-style decoder trained on byte-level text.
@@ -173,13 +192,22 @@ class TrainSpec:
             seq_len: tokens per sample (default: the preset's ``max_seq_len``).
             microbatch_size, microbatches: samples per microbatch, microbatches per replica.
             lr, warmup_steps, weight_decay: AdamW with linear warmup then constant rate.
+            checkfree_plus: train for CheckFree+ recovery: swapped routes on odd
+                microbatches, and replicas of the embedding on stage 1 and of the head on
+                stage ``S-2`` (needs ``RecoveryPolicy(approximate="checkfree+")`` to be used).
             config_overrides: fields of `LlamaConfig` to change (``dim=``, ``n_layers=``...).
 
         Raises:
             ValueError: for an unknown preset, a bad size, or a missing data file.
         """
         from parallelism.data import LMBatches, TokenCorpus
-        from parallelism.llama import LlamaConfig, build_llama_stage, llama_loss, partition_layers
+        from parallelism.llama import (
+            LlamaConfig,
+            build_llama_stage,
+            edge_replica_keys,
+            llama_loss,
+            partition_layers,
+        )
 
         if data is None:
             corpus = TokenCorpus.stdlib(max_bytes=max_bytes)
@@ -196,8 +224,13 @@ class TrainSpec:
             microbatches=microbatches,
             seed=seed,
         )
+        build = functools.partial(build_llama_stage, config)
+        if checkfree_plus:
+            build = functools.partial(
+                build_llama_stage, config, edge_replicas=True, replica_seed=seed
+            )
         return cls(
-            build_stage=functools.partial(build_llama_stage, config),
+            build_stage=build,
             loss_fn=llama_loss,
             make_optimizer=functools.partial(adamw, lr=lr, weight_decay=weight_decay),
             batches=data_fn,
@@ -208,7 +241,9 @@ class TrainSpec:
             clip_grad_norm=clip_grad_norm,
             lr_schedule=functools.partial(linear_warmup, warmup_steps=warmup_steps),
             check_stages=functools.partial(partition_layers, config),
-            name=f"llama-{preset}",
+            routes="swapped" if checkfree_plus else "natural",
+            shared_params=edge_replica_keys if checkfree_plus else None,
+            name=f"llama-{preset}" + ("-checkfree+" if checkfree_plus else ""),
         )
 
 
@@ -231,19 +266,21 @@ def apply_lr_schedule(
     schedule: Callable[[int], float] | None,
     step: int,
     base_lrs: list[float],
+    *,
+    factor: float = 1.0,
 ) -> None:
-    """Set each parameter group's learning rate to ``base_lrs[i] * schedule(step)``.
+    """Set each parameter group's learning rate to ``base_lrs[i] * schedule(step) * factor``.
 
     The rate is a pure function of the step -- no scheduler state -- so a worker rebuilt
     from any source (a replica, a checkpoint) applies exactly the rate it would have.
+    ``factor`` (a rebuilt stage's CheckFree learning-rate scale) skips groups marked
+    ``"shared"``: parameters replicated on another stage must keep updating identically.
 
     Raises:
         ValueError: if the schedule returns a negative or non-finite multiplier.
     """
-    if schedule is None:
-        return
-    multiplier = float(schedule(step))
+    multiplier = 1.0 if schedule is None else float(schedule(step))
     if not (math.isfinite(multiplier) and multiplier >= 0):
         raise ValueError(f"lr_schedule({step}) returned {multiplier}; expected a finite value >= 0")
     for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
-        group["lr"] = base * multiplier
+        group["lr"] = base * multiplier * (1.0 if group.get("shared") else factor)

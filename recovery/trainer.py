@@ -137,6 +137,11 @@ class Trainer:
         if not isinstance(failures, FailureSchedule):
             raise ValueError(f"failures must be a FailureSchedule, got {type(failures).__name__}")
         failures.check(topology)
+        if policy.swapped_routes and (spec.routes != "swapped" or spec.shared_params is None):
+            raise ValueError(
+                "RecoveryPolicy(approximate='checkfree+') needs a model trained for it: swapped "
+                "routes and (de)embedding replicas, e.g. TrainSpec.llama(..., checkfree_plus=True)"
+            )
         self.spec = spec
         self.topology = topology
         self.policy = policy

@@ -58,10 +58,20 @@ def _describe(
 
 
 def send_state(
-    comm: StageComm, dst: int, module: nn.Module, optimizer: torch.optim.Optimizer, step: int
+    comm: StageComm,
+    dst: int,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    extra: dict[str, Any] | None = None,
 ) -> int:
-    """Send this worker's full state to global rank ``dst``. Returns the bytes sent."""
+    """Send this worker's full state to global rank ``dst``. Returns the bytes sent.
+
+    ``extra`` (small, picklable) travels in the description: per-worker marks such as
+    when the stage was last rebuilt.
+    """
     meta, tensors = _describe(module, optimizer, step)
+    meta["extra"] = extra or {}
     blob = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8)
     comm.isend(torch.tensor([blob.numel()], dtype=torch.int64, device=comm.device), dst)
     comm.isend(blob.to(comm.device), dst)
@@ -73,10 +83,10 @@ def send_state(
 
 def recv_state(
     comm: StageComm, src: int, module: nn.Module, optimizer: torch.optim.Optimizer
-) -> tuple[int, int]:
+) -> tuple[int, int, dict[str, Any]]:
     """Replace this worker's state with the one global rank ``src`` sends.
 
-    Returns ``(step, bytes received)``.
+    Returns ``(step, bytes received, extra)``.
 
     Raises:
         RuntimeError: if the source's module does not match this worker's (a different
@@ -111,10 +121,73 @@ def recv_state(
     comm.recv_many(targets, src)
     optimizer.load_state_dict({"state": state, "param_groups": meta["optimizer"]["param_groups"]})
     total = int(blob.numel()) + sum(t.numel() * t.element_size() for t in targets)
-    return int(meta["step"]), total
+    return int(meta["step"]), total, dict(meta.get("extra", {}))
 
 
 def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes of a worker's state (what a transfer moves, less the small description)."""
     _, tensors = _describe(module, optimizer, 0)
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def send_named(
+    comm: StageComm, dst: int, module: nn.Module, optimizer: torch.optim.Optimizer, *, moments: bool
+) -> int:
+    """Send this stage's state by name -- weights, and per-parameter optimizer state if
+    ``moments`` -- to a worker of *another* stage (a CheckFree rebuild). Returns bytes."""
+    model = {k: v.detach() for k, v in module.state_dict().items()}
+    opt: dict[str, dict[str, torch.Tensor]] = {}
+    if moments:
+        for name, param in module.named_parameters():
+            entry = optimizer.state.get(param)
+            if entry:
+                opt[name] = dict(entry)
+    tensors: list[torch.Tensor] = list(model.values())
+    meta_opt: dict[str, dict[str, Any]] = {}
+    for name, entry in opt.items():
+        meta_opt[name] = {}
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                meta_opt[name][key] = _tensor_meta(value)
+                tensors.append(value.detach())
+            else:
+                meta_opt[name][key] = (
+                    "scalar",
+                    value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value,
+                )
+    meta = {"model": [(k, *_tensor_meta(v)[1:]) for k, v in model.items()], "moments": meta_opt}
+    blob = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8)
+    comm.isend(torch.tensor([blob.numel()], dtype=torch.int64, device=comm.device), dst)
+    comm.isend(blob.to(comm.device), dst)
+    for t in tensors:
+        comm.isend(t, dst)
+    comm.wait_sends()
+    return int(blob.numel() + sum(t.numel() * t.element_size() for t in tensors))
+
+
+def recv_named(
+    comm: StageComm, src: int
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], int]:
+    """Receive what `send_named` sends: ``(state_dict, moments by parameter name, bytes)``."""
+    size = comm.recv(torch.empty(1, dtype=torch.int64, device=comm.device), src)
+    blob = comm.recv(torch.empty(int(size.item()), dtype=torch.uint8, device=comm.device), src)
+    meta = pickle.loads(blob.cpu().numpy().tobytes())
+    state = {
+        k: torch.empty(shape, dtype=getattr(torch, dtype), device=comm.device)
+        for k, shape, dtype in meta["model"]
+    }
+    targets = list(state.values())
+    moments: dict[str, dict[str, Any]] = {}
+    for name, entry in meta["moments"].items():
+        moments[name] = {}
+        for key, (kind, *rest) in entry.items():
+            if kind == "tensor":
+                shape, dtype = rest
+                moments[name][key] = torch.empty(
+                    shape, dtype=getattr(torch, dtype), device=comm.device
+                )
+                targets.append(moments[name][key])
+            else:
+                moments[name][key] = rest[0]
+    comm.recv_many(targets, src)
+    return state, moments, int(blob.numel()) + sum(t.numel() * t.element_size() for t in targets)

@@ -25,12 +25,13 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from parallelism.comm import Rendezvous, StageComm, device_for
 from parallelism.engine import StageEngine, StepStats
-from parallelism.schedule import Schedule, build_schedule, forward_only
+from parallelism.schedule import Schedule, build_schedule, forward_only, swapped_routes
 from parallelism.seeding import seed_everything
 from parallelism.topology import Topology
 from recovery.checkpoint import load_checkpoint, save_checkpoint
@@ -44,7 +45,8 @@ from recovery.snapshots import (
     unpack_state,
 )
 from recovery.spec import BatchFn, TrainSpec, apply_lr_schedule
-from recovery.transfer import recv_state, send_state
+from recovery.strategies.checkfree import CheckFreeConfig, load_optimizer_moments, rebuild_stage
+from recovery.transfer import recv_named, recv_state, send_named, send_state
 
 log = logging.getLogger("checkfree")
 
@@ -67,6 +69,10 @@ def is_comm_error(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError | ConnectionError | OSError) and any(
         marker in text for marker in _COMM_ERROR_MARKERS
     )
+
+
+_STEP_POINTS = (KillPoint.BEFORE_FORWARD, KillPoint.MID_PIPELINE, KillPoint.DURING_ALLREDUCE)
+"""The kill points inside phase one (`Worker.run_step`)."""
 
 
 @dataclass
@@ -140,9 +146,14 @@ class StageWorker:
         self.backend = backend
         self.device = device_for(backend)
         self.module = spec.build(self.stage, topology.stages).to(self.device)
-        self.optimizer = spec.make_optimizer(self.module.parameters())
+        shared = spec.shared_params(self.stage, topology.stages) if spec.shared_params else []
+        self.shared_names = list(shared)
+        self.optimizer = self._make_optimizer()
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]
-        self.schedule = build_schedule(spec.schedule, topology.stages, spec.microbatches)
+        routes = None
+        if spec.routes == "swapped":
+            routes = swapped_routes(topology.stages, spec.microbatches)
+        self.schedule = build_schedule(spec.schedule, topology.stages, spec.microbatches, routes)
         self.eval_schedule = forward_only(topology.stages, spec.microbatches)
         self.engine = StageEngine(
             self.module,
@@ -152,10 +163,41 @@ class StageWorker:
             loss_fn=spec.loss_fn,
             device=self.device,
             clip_grad_norm=spec.clip_grad_norm,
+            shared=self.shared_names,
+            shared_is_home=self.stage in (0, topology.stages - 1),
         )
+        self.rebuilt_at: int | None = None
+        self.checkfree: CheckFreeConfig | None = None
         self.step = 0
         self.peer = PeerSnapshots(keep=2)
         return time.perf_counter() - start
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        """The spec's optimizer; shared (CheckFree+ replica) parameters in a group of their own."""
+        assert self.spec is not None
+        if not self.shared_names:
+            return self.spec.make_optimizer(self.module.parameters())
+        named = list(self.module.named_parameters())
+        shared = set(self.shared_names)
+        groups = [
+            {"params": [p for n, p in named if n not in shared], "shared": False},
+            {"params": [p for n, p in named if n in shared], "shared": True},
+        ]
+        return self.spec.make_optimizer(groups)  # type: ignore[arg-type]
+
+    def _tied_ranks(self) -> tuple[int, ...]:
+        """Every holder of this stage's shared parameters: both stages of its CheckFree+ pair."""
+        if not self.shared_names:
+            return ()
+        last = self.topology.stages - 1
+        partner = {0: 1, 1: 0, last - 1: last, last: last - 1}[self.stage]
+        return tuple(
+            sorted(
+                self.topology.rank(s, r)
+                for s in (self.stage, partner)
+                for r in range(self.topology.replicas)
+            )
+        )
 
     def join(
         self,
@@ -174,7 +216,13 @@ class StageWorker:
         start = time.perf_counter()
         self.leave()
         self.comm = StageComm(
-            rendezvous, self.topology, self.rank, self.backend, bind_host, side_group=side_group
+            rendezvous,
+            self.topology,
+            self.rank,
+            self.backend,
+            bind_host,
+            side_group=side_group,
+            tied=self._tied_ranks(),
         )
         self.generation = generation
         self.buddy, self.ward = buddy, ward
@@ -241,7 +289,10 @@ class StageWorker:
         if step != self.step:
             raise RuntimeError(f"worker {self.rank} is at step {self.step}, asked to commit {step}")
         self._hook(KillPoint.BEFORE_COMMIT.value)
-        apply_lr_schedule(self.optimizer, self.spec.lr_schedule, step, self.base_lrs)
+        factor = 1.0
+        if self.rebuilt_at is not None and self.checkfree is not None:
+            factor = self.checkfree.lr_factor(max(0, step - self.rebuilt_at))
+        apply_lr_schedule(self.optimizer, self.spec.lr_schedule, step, self.base_lrs, factor=factor)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step = step + 1
@@ -287,6 +338,13 @@ class StageWorker:
         return self.spec.split(batch, step=index, replica=self.replica)
 
     def _failed(self, step: int, exc: Exception) -> StepReport:
+        if is_comm_error(exc):
+            # Another worker failed first and the step was aborted before this one's own
+            # injected kill struck: the failures injected into one step strike together,
+            # so it dies now instead of in the retried step.
+            for fault in self._faults:
+                if isinstance(fault, Kill) and fault.at in _STEP_POINTS:
+                    self._hook(fault.at.value)
         # Tear down first so that peers blocked on us fail fast (see parallelism/comm.py).
         self.leave()
         self.optimizer.zero_grad(set_to_none=True)
@@ -420,7 +478,7 @@ class StageWorker:
     def restore_own(self, step: int) -> int:
         """Roll back to this worker's own peer snapshot of ``step``. Returns the step."""
         self.step = unpack_state(self.peer.get(step, self.rank), self.module, self.optimizer)
-        self.peer.discard_after(step)
+        self._rolled_back(step)
         return self.step
 
     def send_snapshot(self, step: int, ward: int, dst: int) -> int:
@@ -448,7 +506,7 @@ class StageWorker:
         )
         packed = PackedState.from_parts(header.cpu().numpy().tobytes(), data.cpu())
         self.step = unpack_state(packed, self.module, self.optimizer)
-        self.peer.discard_after(step)
+        self._rolled_back(step)
         self.peer.put(step, self.rank, packed)
         return self.step
 
@@ -475,21 +533,96 @@ class StageWorker:
         self._writes = {}
         self._durable = DurableStore(root)
         self.step = self._durable.load(step, self.rank, self.module, self.optimizer)
-        self.peer.discard_after(step)
+        self._rolled_back(step)
         return self.step
+
+    def _rolled_back(self, step: int) -> None:
+        """After restoring the state of ``step``: forget everything newer (another timeline)."""
+        self.peer.discard_after(step)
+        if self.rebuilt_at is not None and self.rebuilt_at > step:
+            self.rebuilt_at = self.checkfree = None
 
     def send_state(self, dsts: list[int]) -> int:
         """Send this worker's state to each rank in ``dsts``, in turn. Returns bytes sent."""
         assert self.comm is not None
+        extra = {"rebuilt_at": self.rebuilt_at, "checkfree": self.checkfree}
         return sum(
-            send_state(self.comm, dst, self.module, self.optimizer, self.step) for dst in dsts
+            send_state(self.comm, dst, self.module, self.optimizer, self.step, extra)
+            for dst in dsts
         )
 
     def recv_state(self, src: int) -> tuple[int, int]:
         """Become a copy of rank ``src``'s state. Returns ``(step, bytes received)``."""
         assert self.comm is not None
-        self.step, received = recv_state(self.comm, src, self.module, self.optimizer)
+        self.step, received, extra = recv_state(self.comm, src, self.module, self.optimizer)
+        # A copy of a rebuilt stage keeps its learning-rate scale, or the replicas diverge.
+        self.rebuilt_at, self.checkfree = extra.get("rebuilt_at"), extra.get("checkfree")
         return self.step, received
+
+    def send_named_state(self, dst: int, moments: bool) -> int:
+        """Send this stage's weights (and optimizer moments) to a rebuilt neighbour. Returns bytes."""
+        assert self.comm is not None
+        return send_named(self.comm, dst, self.module, self.optimizer, moments=moments)
+
+    def rebuild(
+        self,
+        strategy: str,
+        sources: dict[str, int],
+        norms: tuple[float | None, float | None],
+        config: CheckFreeConfig,
+        step: int,
+    ) -> int:
+        """CheckFree(+): rebuild this (lost) stage from its neighbours' states.
+
+        ``sources`` maps ``"prev"`` / ``"next"`` to the ranks of live workers of stages
+        ``stage-1`` / ``stage+1`` (``edge_copy`` needs only the swap partner). The weights
+        come from `recovery.strategies.checkfree.rebuild_stage` -- the same function the
+        in-process simulator calls -- over this worker's fresh module as the template.
+        Returns the bytes received.
+        """
+        assert self.comm is not None
+        received: dict[str, tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]] = {}
+        total = 0
+        for role in ("prev", "next"):
+            if role in sources:
+                state, opt, nbytes = recv_named(self.comm, sources[role])
+                received[role] = (state, opt)
+                total += nbytes
+        template = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        prev = received.get("prev", (None, None))
+        nxt = received.get("next", (None, None))
+        result = rebuild_stage(
+            config,
+            stage=self.stage,
+            num_stages=self.topology.stages,
+            template=template,
+            prev=prev[0],
+            nxt=nxt[0],
+            prev_norm=norms[0],
+            next_norm=norms[1],
+            edge_replicas=self.spec is not None and self.spec.routes == "swapped",
+            exact_keys=self.shared_names,
+            prev_moments=prev[1],
+            next_moments=nxt[1],
+        )
+        self.module.load_state_dict(result.state)
+        self.optimizer = self._make_optimizer()
+        load_optimizer_moments(self.module, self.optimizer, result.moments)
+        self.engine = StageEngine(
+            self.module,
+            stage=self.stage,
+            replica=self.replica,
+            topology=self.topology,
+            loss_fn=self.engine.loss_fn,
+            device=self.device,
+            clip_grad_norm=self.engine.clip_grad_norm,
+            shared=self.shared_names,
+            shared_is_home=self.engine.shared_is_home,
+        )
+        self.step = step
+        self.rebuilt_at = step
+        self.checkfree = config
+        return total
 
     def warm(self, spec: TrainSpec, topology: Topology, backend: str) -> float:
         """Pay a worker's one-time costs ahead of need (a hot spare): build a stage, run an

@@ -62,12 +62,24 @@ def test_faults_validate_their_fields() -> None:
 
 def test_schedule_naming_a_worker_outside_the_job_is_refused_at_construction() -> None:
     with pytest.raises(ValueError, match=r"worker \(2,0\) is outside a 2x2 job"):
-        Trainer(mlp_spec(), topology=Topology(2, 2), failures=FailureSchedule([Kill(step=1, stage=2, replica=0)]))
+        Trainer(
+            mlp_spec(),
+            topology=Topology(2, 2),
+            failures=FailureSchedule([Kill(step=1, stage=2, replica=0)]),
+        )
     with pytest.raises(ValueError, match=r"worker \(0,5\) is outside"):
-        Trainer(mlp_spec(), topology=Topology(2, 2), failures=FailureSchedule([Hang(step=1, stage=0, replica=5)]))
+        Trainer(
+            mlp_spec(),
+            topology=Topology(2, 2),
+            failures=FailureSchedule([Hang(step=1, stage=0, replica=5)]),
+        )
 
 
 def test_schedule_naming_a_step_outside_the_job_is_refused_before_anything_starts() -> None:
-    trainer = Trainer(mlp_spec(), topology=Topology(2, 2), failures=FailureSchedule([Kill(step=10, stage=0, replica=0)]))
+    trainer = Trainer(
+        mlp_spec(),
+        topology=Topology(2, 2),
+        failures=FailureSchedule([Kill(step=10, stage=0, replica=0)]),
+    )
     with pytest.raises(ValueError, match="step 10 is outside a job of 10 steps"):
         trainer.fit(10)

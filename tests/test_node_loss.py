@@ -51,7 +51,9 @@ def test_losing_a_node_keeps_training_exact(cluster) -> None:  # type: ignore[no
         while controller.step < 3:
             controller.advance()
         victim = next(n for n in worker_nodes if n.node_id in nodes)
-        doomed = sorted(r for r, m in controller.members.items() if m.info.node_id == victim.node_id)
+        doomed = sorted(
+            r for r, m in controller.members.items() if m.info.node_id == victim.node_id
+        )
         c.remove_node(victim)
         while controller.advance() not in (Phase.FINISHED, Phase.FAILED):
             pass

@@ -37,22 +37,36 @@ def assert_identical(result: FitResult, oracle: FitResult) -> None:
             assert torch.equal(result.state(s, r)[k], v), f"worker ({s},{r}) {k}"
         for idx, entry in state["optimizer"]["state"].items():
             for key, value in entry.items():
-                assert torch.equal(result.optimizer_state(s, r)["state"][idx][key], value), (s, r, idx, key)
+                assert torch.equal(result.optimizer_state(s, r)["state"][idx][key], value), (
+                    s,
+                    r,
+                    idx,
+                    key,
+                )
 
 
 def fit_with(faults: list, policy: RecoveryPolicy | None = None, **kwargs) -> FitResult:  # type: ignore[no-untyped-def]
-    return Trainer(tiny_llama(), topology=TOPOLOGY, policy=policy, failures=FailureSchedule(faults), **kwargs).fit(STEPS)
+    return Trainer(
+        tiny_llama(), topology=TOPOLOGY, policy=policy, failures=FailureSchedule(faults), **kwargs
+    ).fit(STEPS)
 
 
 @pytest.mark.parametrize("index, at", list(enumerate(KillPoint)))
-def test_kill_at_every_point_of_a_step_is_exact(uninterrupted: FitResult, index: int, at: KillPoint) -> None:
+def test_kill_at_every_point_of_a_step_is_exact(
+    uninterrupted: FitResult, index: int, at: KillPoint
+) -> None:
     stage, replica = index % 4, index % 2
     result = fit_with([Kill(step=2, stage=stage, replica=replica, at=at)])
     assert_identical(result, uninterrupted)
     (event,) = result.events
     assert event.lost == [(stage, replica)] and event.strategy == "replica_copy"
     assert event.actions == [
-        {"worker": (stage, replica), "strategy": "replica_copy", "sources": [(stage, 1 - replica)], "warm": False}
+        {
+            "worker": (stage, replica),
+            "strategy": "replica_copy",
+            "sources": [(stage, 1 - replica)],
+            "warm": False,
+        }
     ]
     committed = at in (KillPoint.BEFORE_COMMIT, KillPoint.AFTER_COMMIT)
     assert event.step == (3 if committed else 2) and event.lost_steps == 0
@@ -80,10 +94,19 @@ def test_two_workers_of_different_stages_in_the_same_step(uninterrupted: FitResu
     replica=st.integers(0, TOPOLOGY.replicas - 1),
     at=st.sampled_from(list(KillPoint)),
 )
-def test_any_kill_is_exact(uninterrupted: FitResult, step: int, stage: int, replica: int, at: KillPoint) -> None:
+def test_any_kill_is_exact(
+    uninterrupted: FitResult, step: int, stage: int, replica: int, at: KillPoint
+) -> None:
     result = fit_with([Kill(step=step, stage=stage, replica=replica, at=at)])
     assert_identical(result, uninterrupted)
     assert len(result.events) == 1
+
+
+def test_a_death_in_the_last_commit_is_recovered_and_reported(uninterrupted: FitResult) -> None:
+    result = fit_with([Kill(step=STEPS - 1, stage=0, replica=0, at=KillPoint.BEFORE_COMMIT)])
+    assert_identical(result, uninterrupted)  # the final states include the rebuilt worker
+    (event,) = result.events
+    assert event.step == STEPS and event.breakdown["resume"] == 0.0
 
 
 def test_hung_worker_is_detected_by_the_timeout_and_replaced(uninterrupted: FitResult) -> None:
@@ -102,7 +125,9 @@ def test_hot_spare_replaces_a_dead_worker(uninterrupted: FitResult) -> None:
     assert event.actions[0]["warm"] is True
 
 
-def test_restart_baseline_reloads_the_checkpoint_and_redoes_lost_steps(uninterrupted: FitResult, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_restart_baseline_reloads_the_checkpoint_and_redoes_lost_steps(
+    uninterrupted: FitResult, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
     policy = RecoveryPolicy(strategy="restart", checkpoint_every=2, checkpoint_dir=str(tmp_path))
     result = fit_with([Kill(step=3, stage=2, replica=0, at=KillPoint.MID_PIPELINE)], policy)
     assert_identical(result, uninterrupted)  # the replay from step 2 is deterministic
@@ -134,7 +159,9 @@ def test_events_are_written_and_plotted(tmp_path) -> None:  # type: ignore[no-un
         failures=FailureSchedule([Kill(step=2, stage=1, replica=1)]),
     ).fit(4)
     lines = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
-    assert len(lines) == 1 and lines[0]["lost"] == [[1, 1]] and lines[0]["strategy"] == "replica_copy"
+    assert (
+        len(lines) == 1 and lines[0]["lost"] == [[1, 1]] and lines[0]["strategy"] == "replica_copy"
+    )
     summary = json.loads((run / "summary.json").read_text())
     assert summary["recoveries"] == 1 and summary["lost_steps"] == 0
     assert result.events[0].time > 0
