@@ -1,0 +1,796 @@
+"""Embedding-table recovery under failures, in one process: the CPR study with shard mirrors.
+
+``W`` workers of a row-sharded DLRM (`parallelism.dlrm.InProcessDLRM`: each worker's own
+shard, dense replica and exchange code, as threads) train on synthetic click logs with a
+planted truth (`parallelism.clicks.ClickLogs`) while a `recovery.faults.FailureSchedule`
+kills workers. Each strategy recovers with the pure functions of
+`recovery.strategies.embedding` and is charged a modelled wall-clock cost; the result is
+held-out AUC and log loss against modelled time, and where the lost time went.
+`scripts/embedding_experiment.py` runs the comparison and writes the table and the plot.
+
+[Note: embedding simulator model]
+- Training: every committed step is one real step of the W workers (two-phase: run, then
+  commit). ``Kill(step=k, stage=0, replica=w)`` kills worker ``w`` when the job first
+  attempts step ``k``, before its commit: the attempt is abandoned everywhere (its
+  compute is not even run -- nothing of it would be kept) and, after recovery, step ``k``
+  is run again on the same data. A fault fires once.
+- Time: a step costs ``step_s``; a failed attempt costs ``step_s`` (lost); a checkpoint
+  (a consistent snapshot of every shard, dense replica and MFU counter) costs
+  ``checkpoint_write_s`` every ``checkpoint_every`` committed steps, by default Daly's
+  interval for the modelled MTBF (run time / failures); mirror traffic costs its bytes
+  over ``bandwidth_bytes_per_s`` after every step (not overlapped: conservative).
+- ``none``: no failures, no checkpoints -- the ideal.
+- ``rollback``: every worker reloads the last checkpoint (``detect_s + replace_s +
+  checkpoint_load_s``) and the steps since are redone (each ``step_s``, counted as lost).
+- ``partial`` (CPR, and CPR with MFU mirrors): survivors keep their state; the dead
+  worker's dense replica is copied from a live one, its shard is rebuilt by
+  `restore_shard` from its mirror (if the ring successor holding it lives) and the
+  checkpoint's shard part, freshest copy per row. Cost: ``detect_s + replace_s`` plus the
+  transfer of the dense state and the shard over the bandwidth, plus
+  ``checkpoint_load_s / W`` when rows come from the durable checkpoint. The dead worker's
+  own mirror of its predecessor is re-seeded with a full copy. The policy (`decide`)
+  then accepts the restore or rolls the whole job back to the checkpoint.
+- Exact strategies (``none``, ``rollback``, partial with ``mirror_every=1``) must end
+  bit-identical to the no-failure run; `EmbeddingRunResult.digest` lets the experiment
+  check it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from parallelism.clicks import ClickLogs
+from parallelism.dlrm import DLRMConfig, InProcessDLRM, ShardLayout
+from recovery.faults import FailureSchedule, Kill
+from recovery.strategies.embedding import (
+    EMBEDDING_POLICIES,
+    MFUTracker,
+    MirrorPlan,
+    ShardCopy,
+    decide,
+    mirror_update,
+    portion_of_lost_samples,
+    restore_shard,
+)
+from simulations.costs import daly_interval, young_interval
+
+__all__ = [
+    "RECOVERIES",
+    "EmbeddingEvent",
+    "EmbeddingRunResult",
+    "EmbeddingSetup",
+    "EmbeddingStrategy",
+    "EmbeddingTimeModel",
+    "default_strategies",
+    "failure_schedule",
+    "plot_results",
+    "results_table",
+    "run_embedding",
+]
+
+RECOVERIES = ("none", "rollback", "partial")
+
+
+def _check(owner: str, name: str, value: object, *, positive: bool = True) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{owner}.{name} must be a finite number, got {value!r}")
+    if value < 0 or (positive and value == 0):
+        raise ValueError(f"{owner}.{name} must be {'> 0' if positive else '>= 0'}, got {value!r}")
+
+
+def _check_int(owner: str, name: str, value: object, *, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{owner}.{name} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmbeddingSetup:
+    """The model, data and training run every strategy shares.
+
+    Raises:
+        ValueError: naming a bad field and value.
+    """
+
+    preset: str = "small"
+    """`parallelism.dlrm.DLRMConfig` preset."""
+    workers: int = 4
+    """Workers: shards of every table and data-parallel replicas of the dense part."""
+    batch_size: int = 256
+    """Samples per worker per step."""
+    steps: int = 1500
+    """Committed steps of a run."""
+    seed: int = 0
+    """Seeds the weights, the data and its planted truth."""
+    sparse_lr: float = 0.05
+    """Row-wise Adagrad learning rate of the embedding rows."""
+    dense_lr: float = 1e-3
+    """Adam learning rate of the dense part."""
+    zipf_alpha: float = 1.05
+    """Zipf exponent of the feature ids."""
+    heldout: int = 20_000
+    """Held-out samples for AUC and log loss."""
+    eval_every: int = 100
+    """Evaluate every this many committed steps (and at the end)."""
+
+    def __post_init__(self) -> None:
+        for name in ("workers", "batch_size", "steps", "heldout", "eval_every"):
+            _check_int("EmbeddingSetup", name, getattr(self, name))
+        _check_int("EmbeddingSetup", "seed", self.seed, minimum=0)
+        for name in ("sparse_lr", "dense_lr", "zipf_alpha"):
+            _check("EmbeddingSetup", name, getattr(self, name))
+        self.config()  # an unknown preset raises here
+        ShardLayout(self.config().table_rows, self.workers)  # tables too small raise here
+
+    def config(self) -> DLRMConfig:
+        return DLRMConfig.preset(self.preset)
+
+    def logs(self) -> ClickLogs:
+        config = self.config()
+        return ClickLogs(
+            config.table_rows,
+            dense_features=config.dense_features,
+            batch_size=self.batch_size,
+            seed=self.seed,
+            zipf_alpha=self.zipf_alpha,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmbeddingTimeModel:
+    """Modelled wall-clock costs. See [Note: embedding simulator model].
+
+    Raises:
+        ValueError: naming a bad field and value.
+    """
+
+    step_s: float = 1.0
+    """One training step of the job."""
+    checkpoint_write_s: float = 15.0
+    """Blocking time of one checkpoint (the ``C`` of Young/Daly)."""
+    checkpoint_load_s: float = 30.0
+    """Reloading the whole checkpoint into every worker (a shard: this over ``W``)."""
+    detect_s: float = 5.0
+    """From a death to the controller acting on it."""
+    replace_s: float = 10.0
+    """Starting a replacement worker and forming the new process groups."""
+    bandwidth_bytes_per_s: float = 1.25e9
+    """Worker-to-worker bandwidth (10 Gb/s) for mirror traffic and peer state copies."""
+    interval: str = "daly"
+    """``"daly"`` or ``"young"``: which optimal checkpoint interval to use by default."""
+
+    def __post_init__(self) -> None:
+        for name in ("step_s", "bandwidth_bytes_per_s"):
+            _check("EmbeddingTimeModel", name, getattr(self, name))
+        for name in ("checkpoint_write_s", "checkpoint_load_s", "detect_s", "replace_s"):
+            _check("EmbeddingTimeModel", name, getattr(self, name), positive=False)
+        if self.interval not in ("daly", "young"):
+            raise ValueError(
+                f"EmbeddingTimeModel.interval must be 'daly' or 'young', got {self.interval!r}"
+            )
+
+    def checkpoint_every(self, steps: int, failures: int) -> int:
+        """The optimal checkpoint interval in steps for ``failures`` failures in ``steps``.
+
+        The MTBF is the failure-free run time over the failures; without failures, one
+        checkpoint at the end (``steps``).
+        """
+        if failures <= 0:
+            return steps
+        mtbf = steps * self.step_s / failures
+        fn = daly_interval if self.interval == "daly" else young_interval
+        seconds = fn(self.checkpoint_write_s, mtbf)
+        return max(1, min(steps, round(seconds / self.step_s)))
+
+    def transfer_s(self, nbytes: float) -> float:
+        return nbytes / self.bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmbeddingStrategy:
+    """How a run recovers from a dead worker.
+
+    Raises:
+        ValueError: naming a bad field and value.
+    """
+
+    name: str
+    """A label for tables and plots."""
+    recovery: str
+    """``"none"`` (no failures), ``"rollback"`` or ``"partial"``."""
+    embedding: str = "partial"
+    """``partial`` only: the policy, ``"partial"`` (accept stale rows within the PLS
+    budget) or ``"exact"`` (roll back unless every lost row came back exact)."""
+    pls_budget: float = 0.05
+    """``partial`` only: the job's PLS beyond which a failure rolls back instead."""
+    mirror: MirrorPlan | None = None
+    """``partial`` only: shard mirrors on the ring successor (None: snapshots only, CPR)."""
+    checkpoint_every: int | None = None
+    """Steps between checkpoints; None: the time model's optimal interval."""
+
+    def __post_init__(self) -> None:
+        if self.recovery not in RECOVERIES:
+            raise ValueError(
+                f"EmbeddingStrategy.recovery must be one of {RECOVERIES}, got {self.recovery!r}"
+            )
+        if self.embedding not in EMBEDDING_POLICIES:
+            raise ValueError(
+                f"EmbeddingStrategy.embedding must be one of {EMBEDDING_POLICIES}, "
+                f"got {self.embedding!r}"
+            )
+        if not (isinstance(self.pls_budget, int | float) and 0 <= self.pls_budget <= 1):
+            raise ValueError(
+                f"EmbeddingStrategy.pls_budget must be in [0, 1], got {self.pls_budget!r}"
+            )
+        if self.checkpoint_every is not None:
+            _check_int("EmbeddingStrategy", "checkpoint_every", self.checkpoint_every)
+        if self.mirror is not None and self.recovery != "partial":
+            raise ValueError(f"strategy {self.name!r}: mirrors are used by 'partial' recovery only")
+
+
+def default_strategies(
+    *,
+    hot_rows: int = 4096,
+    mirror_every: int = 100,
+    pls_budget: float = 0.05,
+    partial_checkpoint_every: int | None = None,
+) -> list[EmbeddingStrategy]:
+    """The comparison: no failures, full rollback, CPR from snapshots, CPR with MFU
+    mirrors, and exact recovery from mirrors refreshed every step.
+
+    Every strategy checkpoints at the time model's optimal interval unless
+    ``partial_checkpoint_every`` sets another one for the partial strategies (a partial
+    recovery does not redo work, so the rollback-optimal interval is not theirs).
+    """
+    every = partial_checkpoint_every
+    return [
+        EmbeddingStrategy(name="no failures", recovery="none"),
+        EmbeddingStrategy(name="full rollback", recovery="rollback"),
+        EmbeddingStrategy(
+            name="CPR (snapshots)",
+            recovery="partial",
+            pls_budget=pls_budget,
+            checkpoint_every=every,
+        ),
+        EmbeddingStrategy(
+            name="CPR + MFU mirrors",
+            recovery="partial",
+            pls_budget=pls_budget,
+            mirror=MirrorPlan(hot_rows=hot_rows, mirror_every=mirror_every),
+            checkpoint_every=every,
+        ),
+        EmbeddingStrategy(
+            name="exact mirrors",
+            recovery="partial",
+            embedding="exact",
+            mirror=MirrorPlan(hot_rows=0, mirror_every=1),
+            checkpoint_every=every,
+        ),
+    ]
+
+
+def failure_schedule(*, steps: int, workers: int, failures: int, seed: int = 0) -> FailureSchedule:
+    """``failures`` kills of single workers at distinct steps spread over the run.
+
+    Step ``i`` of ``failures`` is drawn uniformly inside the ``i``-th of equal slices of
+    steps ``[steps // 10, steps)`` (so failures neither bunch up nor hit the very first
+    steps); the worker is drawn uniformly. Deterministic in ``seed``.
+
+    Raises:
+        ValueError: if ``failures`` is negative or does not fit in the steps.
+    """
+    _check_int("failure_schedule", "failures", failures, minimum=0)
+    start = steps // 10
+    if failures > steps - start:
+        raise ValueError(f"{failures} failures do not fit in {steps - start} steps")
+    rng = np.random.default_rng(np.random.SeedSequence([seed, 31]))
+    edges = np.linspace(start, steps, failures + 1)
+    kills = []
+    for i in range(failures):
+        lo = math.ceil(edges[i])
+        hi = max(lo + 1, int(edges[i + 1]))
+        kills.append(
+            Kill(step=int(rng.integers(lo, hi)), stage=0, replica=int(rng.integers(0, workers)))
+        )
+    return FailureSchedule(kills)
+
+
+# ---- results ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EmbeddingEvent:
+    """One failure and what its recovery did."""
+
+    step: int
+    """Committed steps when the worker(s) died."""
+    lost: tuple[int, ...]
+    """Dead worker ranks."""
+    decision: str
+    """``"partial"`` (survivors kept their state) or ``"rollback"``."""
+    rows_exact: int = 0
+    rows_stale: int = 0
+    rows_from_mirror: int = 0
+    lost_samples: float = 0.0
+    """Lost lookups over lookups per sample (see [Note: portion of lost samples])."""
+    pls_event: float = 0.0
+    pls_job: float = 0.0
+    """The job's PLS had the event been accepted."""
+    downtime_s: float = 0.0
+    """Modelled stall: detection, replacement, state transfer or reload."""
+    redo_steps: int = 0
+    """Committed steps thrown away by a rollback."""
+
+
+@dataclass
+class EmbeddingRunResult:
+    """What one strategy's run produced."""
+
+    strategy: str
+    recovery: str
+    checkpoint_every: int | None
+    auc: float
+    log_loss: float
+    curve: list[tuple[int, float, float, float]]
+    """``(committed steps, modelled seconds, AUC, log loss)`` at each evaluation."""
+    events: list[EmbeddingEvent]
+    total_s: float
+    """Modelled wall-clock time of the run."""
+    lost: dict[str, float]
+    """Modelled seconds lost, by cause: checkpoint, failed_step, recovery, redo, mirror."""
+    pls: float
+    """The job's final PLS (accepted partial recoveries only)."""
+    mirror_bytes_per_step: float
+    mirror_memory_bytes: int
+    compute_s: float
+    """Measured seconds of training and recovery compute on this machine."""
+    digest: str
+    """SHA-256 of the final tables and dense weights (equal iff bit-identical)."""
+
+    @property
+    def lost_s(self) -> float:
+        return sum(self.lost.values())
+
+    @property
+    def rollbacks(self) -> int:
+        return sum(e.decision == "rollback" for e in self.events)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["lost_s"] = self.lost_s
+        out["rollbacks"] = self.rollbacks
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EmbeddingRunResult:
+        """Read back `to_dict`'s output (e.g. a ``results.json`` entry).
+
+        Raises:
+            ValueError: if a field is missing or unknown.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in data.items() if k not in ("lost_s", "rollbacks")}
+        if set(fields) != known:
+            raise ValueError(
+                f"not an embedding run result: missing {sorted(known - set(fields))}, "
+                f"unknown {sorted(set(fields) - known)}"
+            )
+        fields["curve"] = [tuple(c) for c in fields["curve"]]
+        fields["events"] = [
+            EmbeddingEvent(**{**e, "lost": tuple(e["lost"])}) for e in fields["events"]
+        ]
+        return cls(**fields)
+
+
+# ---- the run ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Checkpoint:
+    committed: int
+    shards: list[ShardCopy]
+    """Each shard's values at ``committed``; their bookkeeping counts lookups since."""
+    dense: dict[str, Any]
+    counts: list[torch.Tensor]
+
+
+@dataclass
+class _Run:
+    setup: EmbeddingSetup
+    strategy: EmbeddingStrategy
+    times: EmbeddingTimeModel
+    trainer: InProcessDLRM
+    checkpoint_every: int
+    trackers: list[MFUTracker]
+    checkpoint: _Checkpoint
+    mirrors: list[ShardCopy | None]
+    committed: int = 0
+    high_water: int = 0
+    clock: float = 0.0
+    lost: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(
+            ("checkpoint", "failed_step", "recovery", "redo", "mirror"), 0.0
+        )
+    )
+    accepted: list[tuple[int, float]] = field(default_factory=list)
+    """(committed steps at the event, lost samples) of accepted partial recoveries."""
+    events: list[EmbeddingEvent] = field(default_factory=list)
+    mirror_bytes: float = 0.0
+    mirror_steps: int = 0
+
+    @property
+    def world(self) -> int:
+        return self.trainer.world_size
+
+    def shard(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.trainer.workers[rank].shard
+        return s.weight.detach(), s.accumulator
+
+    def take_checkpoint(self) -> None:
+        self.checkpoint = _Checkpoint(
+            committed=self.committed,
+            shards=[
+                ShardCopy.take(
+                    r, *self.shard(r), committed=self.committed, lookups=self.trackers[r].counts
+                )
+                for r in range(self.world)
+            ],
+            dense=self.trainer.workers[0].dense_state(),
+            counts=[t.counts.clone() for t in self.trackers],
+        )
+
+    def seed_mirror(self, rank: int) -> float:
+        """Re-seed the mirror of ``rank``'s shard with a full copy; returns bytes moved."""
+        copy = ShardCopy.take(
+            rank, *self.shard(rank), committed=self.committed, lookups=self.trackers[rank].counts
+        )
+        self.mirrors[rank] = copy
+        return float(copy.weight.numel() * 4 + copy.accumulator.numel() * 4)
+
+    def step(self) -> None:
+        _, updates = self.trainer.train_step(self.committed)
+        self.committed += 1
+        self.clock += self.times.step_s
+        if self.committed <= self.high_water:
+            self.lost["redo"] += self.times.step_s
+        plan = self.strategy.mirror
+        step_bytes = 0
+        for rank, update in enumerate(updates):
+            self.trackers[rank].observe(update.rows, update.lookups)
+            self.checkpoint.shards[rank].record(update.rows, update.lookups)
+            mirror = self.mirrors[rank]
+            if plan is not None and mirror is not None:
+                weight, accumulator = self.shard(rank)
+                message = mirror_update(
+                    plan,
+                    shard=rank,
+                    committed=self.committed,
+                    weight=weight,
+                    accumulator=accumulator,
+                    tracker=self.trackers[rank],
+                    updated=update.rows,
+                    lookups=update.lookups,
+                )
+                mirror.apply(message)
+                step_bytes += message.nbytes
+        if plan is not None:
+            # Every owner sends at once, each over its own link: the slowest one stalls.
+            seconds = self.times.transfer_s(step_bytes / self.world)
+            self.clock += seconds
+            self.lost["mirror"] += seconds
+            self.mirror_bytes += step_bytes / self.world
+            self.mirror_steps += 1
+        if (
+            self.strategy.recovery != "none"
+            and self.committed % self.checkpoint_every == 0
+            and self.committed < self.setup.steps
+        ):
+            self.take_checkpoint()
+            self.clock += self.times.checkpoint_write_s
+            self.lost["checkpoint"] += self.times.checkpoint_write_s
+
+    def samples(self) -> int:
+        return self.committed * self.world * self.setup.batch_size
+
+    def fail(self, dead: Sequence[int]) -> None:
+        self.clock += self.times.step_s  # the abandoned attempt
+        self.lost["failed_step"] += self.times.step_s
+        if self.strategy.recovery == "rollback":
+            self.rollback(dead)
+        else:
+            self.partial(dead)
+
+    def rollback(self, dead: Sequence[int], event: EmbeddingEvent | None = None) -> None:
+        ckpt = self.checkpoint
+        downtime = self.times.detect_s + self.times.replace_s + self.times.checkpoint_load_s
+        redo = self.committed - ckpt.committed
+        self.high_water = max(self.high_water, self.committed)
+        for rank in range(self.world):
+            worker = self.trainer.new_worker(rank)
+            worker.shard.load(ckpt.shards[rank].weight, ckpt.shards[rank].accumulator)
+            worker.load_dense(ckpt.dense)
+            self.trainer.workers[rank] = worker
+            self.trackers[rank] = MFUTracker(worker.shard.num_rows, ckpt.counts[rank])
+        self.committed = ckpt.committed
+        self.accepted = [(c, s) for c, s in self.accepted if c < ckpt.committed]
+        self.take_checkpoint()  # the same values; fresh bookkeeping from here
+        for rank in range(self.world):
+            if self.mirrors[rank] is not None:
+                self.seed_mirror(rank)
+        self.clock += downtime
+        self.lost["recovery"] += downtime
+        base = event or EmbeddingEvent(step=self.committed + redo, lost=tuple(dead), decision="")
+        self.events.append(
+            dataclasses.replace(base, decision="rollback", downtime_s=downtime, redo_steps=redo)
+        )
+
+    def partial(self, dead: Sequence[int]) -> None:
+        dead_set = set(dead)
+        features = self.trainer.config.num_tables
+        samples = self.samples()
+        restored = {}
+        from_mirror = exact = stale = 0
+        lost_samples = 0.0
+        durable = False
+        for rank in sorted(dead_set):
+            copies: list[ShardCopy] = []
+            mirror = self.mirrors[rank]
+            if mirror is not None and (rank + 1) % self.world not in dead_set:
+                copies.append(mirror)
+            copies.append(self.checkpoint.shards[rank])
+            r = restore_shard(copies)
+            restored[rank] = (r, copies)
+            from_mirror += int((r.source == 0).sum()) if len(copies) == 2 else 0
+            durable |= bool((r.source == len(copies) - 1).any())
+            exact += r.rows_exact
+            stale += r.rows_stale
+            lost_samples += r.lost_lookups / features
+        pls_event = portion_of_lost_samples(
+            sum(r.lost_lookups for r, _ in restored.values()),
+            lookups_per_sample=features,
+            samples=samples,
+        )
+        pls_job = (sum(s for _, s in self.accepted) + lost_samples) / max(samples, 1)
+        event = EmbeddingEvent(
+            step=self.committed,
+            lost=tuple(sorted(dead_set)),
+            decision="partial",
+            rows_exact=exact,
+            rows_stale=stale,
+            rows_from_mirror=from_mirror,
+            lost_samples=lost_samples,
+            pls_event=pls_event,
+            pls_job=pls_job,
+        )
+        if decide(self.strategy.embedding, pls=pls_job, budget=self.strategy.pls_budget) == (
+            "rollback"
+        ):
+            self.rollback(dead, event)
+            return
+        alive = [r for r in range(self.world) if r not in dead_set]
+        if not alive:
+            raise RuntimeError("every worker died; partial recovery needs a live dense replica")
+        dense = self.trainer.workers[alive[0]].dense_state()
+        moved = 0.0
+        for rank, (r, copies) in restored.items():
+            worker = self.trainer.new_worker(rank)
+            worker.load_dense(dense)
+            worker.shard.load(r.weight, r.accumulator)
+            self.trainer.workers[rank] = worker
+            self.trackers[rank] = MFUTracker(worker.shard.num_rows, r.lookups)
+            for c in copies:
+                c.rebase(r)
+            moved += sum(t.numel() * t.element_size() for t in dense["model"].values())
+            moved += r.weight.numel() * 4 + r.accumulator.numel() * 4
+        if self.strategy.mirror is not None:
+            # Worker d held the mirror of shard d - 1: re-seed it from that shard's owner
+            # (itself just restored if it died too). This also covers a dead successor.
+            for rank in sorted(dead_set):
+                moved += self.seed_mirror((rank - 1) % self.world)
+        downtime = self.times.detect_s + self.times.replace_s + self.times.transfer_s(moved)
+        if durable:
+            downtime += self.times.checkpoint_load_s / self.world
+        self.clock += downtime
+        self.lost["recovery"] += downtime
+        self.accepted.append((self.committed, lost_samples))
+        self.events.append(dataclasses.replace(event, downtime_s=downtime))
+
+
+def _digest(trainer: InProcessDLRM) -> str:
+    h = hashlib.sha256()
+    for worker in trainer.workers:
+        h.update(worker.shard.weight.detach().numpy().tobytes())
+        h.update(worker.shard.accumulator.numpy().tobytes())
+    for value in trainer.workers[0].dense.state_dict().values():
+        h.update(value.numpy().tobytes())
+    return h.hexdigest()
+
+
+def run_embedding(
+    setup: EmbeddingSetup,
+    strategy: EmbeddingStrategy,
+    failures: FailureSchedule,
+    times: EmbeddingTimeModel | None = None,
+    *,
+    progress: Callable[[int], None] | None = None,
+) -> EmbeddingRunResult:
+    """Train ``setup`` under ``failures`` with ``strategy``; see [Note: embedding simulator model].
+
+    ``progress`` is called with the committed steps after every step (for a progress bar).
+
+    Raises:
+        ValueError: if a fault is not a ``Kill`` of a worker of the job within its steps.
+    """
+    times = times or EmbeddingTimeModel()
+    kills: dict[int, list[int]] = {}
+    for fault in failures:
+        if not isinstance(fault, Kill) or fault.stage != 0 or fault.replica >= setup.workers:
+            raise ValueError(
+                f"{fault}: the embedding experiment kills workers as kill:step=K,stage=0,"
+                f"replica=W with W < {setup.workers}"
+            )
+        if fault.step >= setup.steps:
+            raise ValueError(f"{fault}: step {fault.step} is outside a run of {setup.steps} steps")
+        kills.setdefault(fault.step, []).append(fault.replica)
+    if strategy.recovery == "none":
+        kills = {}
+    checkpoint_every = strategy.checkpoint_every or times.checkpoint_every(
+        setup.steps, sum(len(v) for v in kills.values())
+    )
+    torch.set_num_threads(1)
+    logs = setup.logs()
+    heldout = logs.heldout(setup.heldout)
+    trainer = InProcessDLRM(
+        setup.config(),
+        workers=setup.workers,
+        batches=logs,
+        seed=setup.seed,
+        sparse_lr=setup.sparse_lr,
+        dense_lr=setup.dense_lr,
+    )
+    try:
+        trackers = [MFUTracker(w.shard.num_rows) for w in trainer.workers]
+        run = _Run(
+            setup=setup,
+            strategy=strategy,
+            times=times,
+            trainer=trainer,
+            checkpoint_every=checkpoint_every,
+            trackers=trackers,
+            checkpoint=_Checkpoint(0, [], {}, []),
+            mirrors=[None] * setup.workers,
+        )
+        run.take_checkpoint()  # the initial state: free, every worker can rebuild it
+        if strategy.mirror is not None:
+            for rank in range(setup.workers):
+                run.seed_mirror(rank)
+        curve: list[tuple[int, float, float, float]] = []
+        compute = 0.0
+        fired: set[int] = set()
+        auc, loss = trainer.evaluate(heldout)
+        curve.append((0, 0.0, auc, loss))
+        while run.committed < setup.steps:
+            start = time.perf_counter()
+            step = run.committed
+            if step in kills and step not in fired:
+                fired.add(step)
+                run.fail(kills[step])
+            else:
+                run.step()
+            compute += time.perf_counter() - start
+            due = run.committed % setup.eval_every == 0 or run.committed == setup.steps
+            if due and curve[-1][0] != run.committed:
+                auc, loss = trainer.evaluate(heldout)
+                curve.append((run.committed, run.clock, auc, loss))
+            if progress is not None:
+                progress(run.committed)
+        auc, loss = trainer.evaluate(heldout)
+        if curve[-1][0] != setup.steps:
+            curve.append((setup.steps, run.clock, auc, loss))
+        samples = run.samples()
+        return EmbeddingRunResult(
+            strategy=strategy.name,
+            recovery=strategy.recovery,
+            checkpoint_every=checkpoint_every if strategy.recovery != "none" else None,
+            auc=auc,
+            log_loss=loss,
+            curve=curve,
+            events=run.events,
+            total_s=run.clock,
+            lost=dict(run.lost),
+            pls=sum(s for _, s in run.accepted) / samples,
+            mirror_bytes_per_step=run.mirror_bytes / max(run.mirror_steps, 1),
+            mirror_memory_bytes=sum(m.nbytes for m in run.mirrors if m is not None)
+            // setup.workers,
+            compute_s=compute,
+            digest=_digest(trainer),
+        )
+    finally:
+        trainer.close()
+
+
+# ---- reporting -------------------------------------------------------------------------
+
+
+def results_table(results: Sequence[EmbeddingRunResult], *, reference: str | None = None) -> str:
+    """A markdown table: accuracy, time and what the recoveries did, one row per strategy.
+
+    ``reference`` names the no-failure run that ``dAUC`` and "bit-exact" compare with
+    (default: the first run with recovery ``none``).
+    """
+    ref = next(
+        (r for r in results if (r.strategy == reference if reference else r.recovery == "none")),
+        None,
+    )
+    rollback = next((r for r in results if r.recovery == "rollback"), None)
+    header = (
+        "| strategy | ckpt every | AUC | dAUC | log loss | time (s) | lost (s) | "
+        "lost vs rollback | rollbacks | rows exact / stale (accepted) | PLS | mirror KB/step | "
+        "mirror MB | bit-exact | compute (s) |"
+    )
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for r in results:
+        accepted = [e for e in r.events if e.decision == "partial"]
+        exact = sum(e.rows_exact for e in accepted)
+        stale = sum(e.rows_stale for e in accepted)
+        d_auc = f"{r.auc - ref.auc:+.4f}" if ref else "-"
+        vs = (
+            f"{r.lost_s / rollback.lost_s:.2f}x"
+            if rollback is not None and rollback.lost_s > 0
+            else "-"
+        )
+        bit = "-" if ref is None or r is ref else ("yes" if r.digest == ref.digest else "no")
+        lines.append(
+            f"| {r.strategy} | {r.checkpoint_every or '-'} | {r.auc:.4f} | {d_auc} | "
+            f"{r.log_loss:.4f} | {r.total_s:.0f} | {r.lost_s:.0f} | {vs} | {r.rollbacks} | "
+            f"{exact} / {stale} | {r.pls:.4f} | {r.mirror_bytes_per_step / 1e3:.1f} | "
+            f"{r.mirror_memory_bytes / 1e6:.1f} | {bit} | {r.compute_s:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_results(results: Sequence[EmbeddingRunResult], path: str, *, title: str = "") -> None:
+    """Two panels: held-out AUC against modelled time (failures marked), and lost time by
+    cause per strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8), dpi=110)
+    for i, r in enumerate(results):
+        color = f"C{i}"
+        xs = [c[1] for c in r.curve]
+        ys = [c[2] for c in r.curve]
+        ax.plot(xs, ys, "-", lw=1.3, color=color, label=f"{r.strategy} (AUC {r.auc:.4f})")
+    ax.set_xlabel("modelled wall-clock time (s)")
+    ax.set_ylabel("held-out AUC")
+    lo = min(min(c[2] for c in r.curve[1:]) for r in results if len(r.curve) > 1)
+    hi = max(max(c[2] for c in r.curve) for r in results)
+    ax.set_ylim(max(lo, hi - 0.08), hi + 0.005)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    causes = ("checkpoint", "failed_step", "recovery", "redo", "mirror")
+    bottom = np.zeros(len(results))
+    names = [r.strategy for r in results]
+    for j, cause in enumerate(causes):
+        values = np.array([r.lost.get(cause, 0.0) for r in results])
+        bx.bar(names, values, bottom=bottom, color=f"C{j}", label=cause.replace("_", " "))
+        bottom += values
+    bx.set_ylabel("modelled time lost (s)")
+    bx.tick_params(axis="x", labelrotation=20, labelsize=8)
+    bx.legend(fontsize=8)
+    bx.grid(alpha=0.3, axis="y")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

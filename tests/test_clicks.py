@@ -1,0 +1,165 @@
+"""Tests of the click-log data in `parallelism.clicks`: the generator and the Criteo reader."""
+
+from __future__ import annotations
+
+import math
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from parallelism.clicks import ClickBatch, ClickDataset, ClickLogs, read_criteo
+from parallelism.dlrm import ShardLayout, roc_auc
+
+ROWS = (500, 300, 100, 20)
+
+
+def _logs(**kwargs: object) -> ClickLogs:
+    args: dict[str, object] = {"dense_features": 3, "batch_size": 64, "microbatches": 2, "seed": 1}
+    args.update(kwargs)
+    return ClickLogs(ROWS, **args)  # type: ignore[arg-type]
+
+
+def _equal(a: ClickBatch, b: ClickBatch) -> bool:
+    return all(
+        torch.equal(x, y)
+        for x, y in ((a.dense, b.dense), (a.sparse, b.sparse), (a.labels, b.labels))
+    )
+
+
+# ---- the generator ---------------------------------------------------------------------
+
+
+def test_batches_are_pure_functions_of_step_replica_microbatch() -> None:
+    logs = _logs()
+    batch = logs(3, 1, 2)
+    assert batch.dense.shape == (128, 3) and batch.sparse.shape == (128, 4)
+    assert batch.sparse.dtype == torch.int64 and batch.labels.dtype == torch.float32
+    assert _equal(batch, logs(3, 1, 2))
+    assert _equal(batch, ClickBatch.cat(logs(3, 1, 2).chunk(2)))
+    assert _equal(batch.chunk(2)[1], logs.microbatch(3, 1, 1))
+    assert not _equal(batch, logs(3, 0, 2)) and not _equal(batch, logs(4, 1, 2))
+    assert not _equal(batch, logs.validation(3, 1, 2))
+    revived = pickle.loads(pickle.dumps(logs))
+    assert revived._cache is None and _equal(revived(3, 1, 2), batch)
+    for t, n in enumerate(ROWS):
+        assert int(batch.sparse[:, t].min()) >= 0 and int(batch.sparse[:, t].max()) < n
+
+
+def test_ids_are_zipf_and_hot_rows_spread_over_shards() -> None:
+    logs = _logs(batch_size=4000, microbatches=1)
+    ids = logs(0, 0, 1).sparse[:, 0]
+    counts = torch.bincount(ids, minlength=ROWS[0]).sort(descending=True).values
+    # Zipf(1.05) over 500 ids: the top 1% of ids take roughly a third of the lookups.
+    assert 0.2 < float(counts[:5].sum()) / 4000 < 0.5
+    assert int((counts > 0).sum()) > 200
+    layout = ShardLayout(ROWS, 4)
+    share = torch.bincount(layout.owner(0, ids), minlength=4).float() / len(ids)
+    assert float(share.min()) > 0.1  # the permutation scatters the hot ids
+
+
+def test_planted_truth_is_learnable_signal() -> None:
+    logs = _logs(signal=2.0)
+    heldout = logs.heldout(8000)
+    assert _equal(heldout, logs.heldout(8000))
+    assert 0.15 < float(heldout.labels.mean()) < 0.45
+    assert roc_auc(logs.truth_logits(heldout), heldout.labels) > 0.8
+    weak = _logs(signal=0.2).heldout(8000)
+    assert roc_auc(_logs(signal=0.2).truth_logits(weak), weak.labels) < 0.6
+
+
+def test_generator_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match=r"table_rows\[1\]"):
+        ClickLogs((5, 0), dense_features=1, batch_size=1)
+    with pytest.raises(ValueError, match="zipf_alpha"):
+        ClickLogs((5,), dense_features=1, batch_size=1, zipf_alpha=0)
+    with pytest.raises(ValueError, match=r"microbatch must be in 0\.\.1"):
+        _logs().microbatch(0, 0, 2)
+    with pytest.raises(ValueError, match=r"replica must be in 0\.\.1"):
+        _logs()(0, 2, 2)
+    with pytest.raises(ValueError, match="split"):
+        _logs().microbatch(0, 0, 0, split="test")
+
+
+# ---- Criteo ----------------------------------------------------------------------------
+
+
+def _criteo_line(label: int, dense: list[str], cats: list[str]) -> str:
+    return "\t".join([str(label), *dense, *cats])
+
+
+def test_read_criteo_hash_mode(tmp_path: Path) -> None:
+    rows = [1000 + t for t in range(26)]
+    lines = [
+        _criteo_line(1, [str(i) for i in range(13)], [f"{0xABC0 + t:08x}" for t in range(26)]),
+        _criteo_line(0, ["", "-3", *["7"] * 11], ["" for _ in range(26)]),
+    ]
+    path = tmp_path / "day_0.tsv"
+    path.write_text("\n".join(lines) + "\n")
+    batch = read_criteo(path, rows)
+    assert batch.labels.tolist() == [1.0, 0.0]
+    assert batch.dense[0].tolist() == pytest.approx([math.log1p(i) for i in range(13)])
+    assert batch.dense[1, :2].tolist() == [0.0, 0.0]  # missing, and negative clamped
+    assert batch.sparse[0].tolist() == [(0xABC0 + t) % rows[t] for t in range(26)]
+    assert batch.sparse[1].tolist() == [0] * 26
+    assert len(read_criteo(path, rows, max_lines=1)) == 1
+
+
+def test_read_criteo_round_trips_generated_logs_in_index_mode(tmp_path: Path) -> None:
+    logs = ClickLogs(ROWS, dense_features=2, batch_size=50, seed=4)
+    batch = logs(0, 0, 1)
+    path = tmp_path / "clicks.tsv"
+    with path.open("w") as f:
+        for i in range(len(batch)):
+            dense = [str(int(abs(x) * 10)) for x in batch.dense[i].tolist()]
+            cats = [str(v) for v in batch.sparse[i].tolist()]
+            f.write(_criteo_line(int(batch.labels[i]), dense, cats) + "\n")
+    read = read_criteo(path, ROWS, categorical="index", dense_features=2)
+    assert torch.equal(read.sparse, batch.sparse)
+    assert torch.equal(read.labels, batch.labels)
+    dataset = ClickDataset(read, batch_size=8, seed=0, val_fraction=0.2)
+    a, b = dataset(5, 1, 2), dataset(5, 1, 2)
+    assert _equal(a, b) and len(a) == 8
+    held = dataset.heldout(10)
+    assert _equal(
+        held.chunk(1)[0],
+        ClickBatch(dense=read.dense[40:50], sparse=read.sparse[40:50], labels=read.labels[40:50]),
+    )
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("1\t2\t3", "3 tab-separated fields, expected 6"),
+        ("2\t1\t1\t1\t1\t1", "label '2' is not 0 or 1"),
+        ("1\tx\t1\t1\t1\t1", "integer feature I1 = 'x' is not an integer"),
+        ("1\t1\t1\tzz\t1\t1", "categorical feature C1 = 'zz' is not hexadecimal"),
+    ],
+)
+def test_read_criteo_names_the_bad_line(tmp_path: Path, line: str, message: str) -> None:
+    path = tmp_path / "bad.tsv"
+    path.write_text("1\t1\t1\t1\t1\t1\n" + line + "\n")
+    with pytest.raises(ValueError, match=f"{path}:2: {message}"):
+        read_criteo(path, (5, 5, 5), dense_features=2)
+
+
+def test_read_criteo_rejects_ids_out_of_range_anywhere_in_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "ids.tsv"
+    good = "1\t4\t0\t1\t2"
+    path.write_text("\n".join([good] * 50 + ["0\t1\t0\t1\t9"]) + "\n")  # the last line is bad
+    with pytest.raises(
+        ValueError, match=r"ids.tsv:51: categorical feature C3 = 9 is outside its table of 3 rows"
+    ):
+        read_criteo(path, (3, 3, 3), categorical="index", dense_features=1)
+    with pytest.raises(ValueError, match="not a decimal row index"):
+        path.write_text("1\t4\t0\t1\tff\n")
+        read_criteo(path, (3, 3, 3), categorical="index", dense_features=1)
+    with pytest.raises(ValueError, match="does not exist"):
+        read_criteo(tmp_path / "missing.tsv", (3,))
+    with pytest.raises(ValueError, match="categorical must be"):
+        read_criteo(path, (3,), categorical="raw")
+    empty = tmp_path / "empty.tsv"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="holds no samples"):
+        read_criteo(empty, (3,))
