@@ -103,8 +103,9 @@ class LlamaConfig:
     def preset(cls, name: str, **overrides: Any) -> LlamaConfig:
         """A named configuration, with any field overridden.
 
-        ``"tiny"`` (~70k parameters, for tests), ``"small"`` (~26M) and ``"medium"``
-        (~85M, GPT-2-small sized).
+        ``"tiny"`` (~70k parameters, for tests), ``"demo"`` (~1.7M, what ``scripts/train.py``
+        and the benchmarks run on 2 CPU cores), ``"small"`` (~26M) and ``"medium"`` (~85M,
+        GPT-2-small sized).
 
         Raises:
             ValueError: for an unknown preset name or field name, or an invalid value.
@@ -155,6 +156,7 @@ class LlamaConfig:
 
 _PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"dim": 32, "n_layers": 4, "n_heads": 4, "max_seq_len": 32},
+    "demo": {"dim": 128, "n_layers": 8, "n_heads": 4, "max_seq_len": 128},
     "small": {"dim": 512, "n_layers": 8, "n_heads": 8, "max_seq_len": 256},
     "medium": {"dim": 768, "n_layers": 12, "n_heads": 12, "max_seq_len": 512},
 }

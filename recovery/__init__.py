@@ -1,12 +1,25 @@
 """What happens when workers die: detection, planning, strategies, the Ray runtime, the public API."""
 
 from recovery.errors import RecoveryError, RedundancyExhausted
+from recovery.events import RecoveryEvent
+from recovery.faults import Corrupt, FailureSchedule, Hang, Kill, KillNode, KillPoint
+from recovery.policy import RecoveryPolicy
 from recovery.spec import TrainSpec
+from recovery.strategies.checkfree import CheckFreeConfig
 from recovery.trainer import FitResult, Trainer
 
 __all__ = [
+    "CheckFreeConfig",
+    "Corrupt",
+    "FailureSchedule",
     "FitResult",
+    "Hang",
+    "Kill",
+    "KillNode",
+    "KillPoint",
     "RecoveryError",
+    "RecoveryEvent",
+    "RecoveryPolicy",
     "RedundancyExhausted",
     "TrainSpec",
     "Trainer",

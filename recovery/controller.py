@@ -309,7 +309,11 @@ class Controller:
 
     @property
     def _pool_key(self) -> tuple[Any, ...]:
-        return (self.config.threads_per_worker, tuple(sorted(self.config.worker_options.items())))
+        return (
+            self.config.threads_per_worker,
+            self.config.backend,
+            tuple(sorted(self.config.worker_options.items())),
+        )
 
     def _new_actor(self, node_id: str) -> Any:
         options: dict[str, Any] = {
@@ -317,6 +321,8 @@ class Controller:
             "max_restarts": 0,
             "max_task_retries": 0,
         }
+        if self.config.backend == "nccl":
+            options["num_gpus"] = 1  # Ray sets CUDA_VISIBLE_DEVICES: the worker's GPU is cuda:0
         options.update(self.config.worker_options)
         if node_id:
             # Hard affinity: placement is a correctness property (see recovery/placement.py).

@@ -2,6 +2,7 @@
 
     python scripts/bench.py throughput     # framework overhead and pipeline bubbles
     python scripts/bench.py recovery       # kill -> first committed step: replica_copy vs restart
+    python scripts/bench.py snapshots      # failure-free cost of peer and durable snapshots
 
 Every figure is measured by this run on this machine; nothing is copied from elsewhere.
 """
@@ -149,6 +150,72 @@ def throughput(args: argparse.Namespace) -> None:
         print(
             f"note: {os.cpu_count()} cores -- a 4-stage pipeline shares cores, which inflates its bubble."
         )
+
+
+def snapshots(args: argparse.Namespace) -> None:
+    """Failure-free throughput of the same job with and without snapshots, interleaved."""
+    import shutil
+    import tempfile
+
+    from recovery.policy import RecoveryPolicy
+
+    spec = model_spec(args)
+    top = Topology(args.stages, args.replicas)
+    tmp = Path(tempfile.mkdtemp(prefix="checkfree-bench-snapshots-"))
+    configs = {
+        "no snapshots": {"snapshot_every": None},
+        "peer every 50": {"snapshot_every": 50},
+        "peer every 10": {"snapshot_every": 10},
+        "durable every 100": {"snapshot_every": None, "durable_every": 100},
+        "peer every 50 + durable every 100": {"snapshot_every": 50, "durable_every": 100},
+    }
+    warm = 5
+    print(f"machine: {machine()}")
+    print(
+        f"model: {spec.name} dim={args.dim} layers={args.layers}, {top} workers, "
+        f"{args.steps} steps per run, {args.repeats} interleaved repeats\n",
+        flush=True,
+    )
+    rates: dict[str, list[float]] = {name: [] for name in configs}
+    blocked: dict[str, list[float]] = {name: [] for name in configs}
+    for repeat in range(args.repeats):
+        for index, (name, knobs) in enumerate(configs.items()):
+            # a folder per run: a durable folder that already holds snapshots is resumed
+            policy = RecoveryPolicy(snapshot_dir=tmp / f"{repeat}-{index}", **knobs)
+            result = Trainer(spec, topology=top, policy=policy, collect_states=False).fit(
+                args.steps
+            )
+            times = [float(m["time"]) for m in result.metrics]
+            rates[name].append((len(times) - warm) / (times[-1] - times[warm - 1]))
+            blocked[name].append(sum(sum(v) for v in result.timings.values()))
+            print(
+                f"  {repeat + 1}/{args.repeats} {name}: {rates[name][-1]:.2f} steps/s", flush=True
+            )
+    shutil.rmtree(tmp, ignore_errors=True)
+    base = statistics.median(rates["no snapshots"])
+    rows = [
+        [
+            name,
+            f"{statistics.median(r):.2f}",
+            f"{100 * (1 - statistics.median(r) / base):+.1f}%",
+            f"{min(r):.2f} - {max(r):.2f}",
+            f"{statistics.median(blocked[name]):.2f}",
+        ]
+        for name, r in rates.items()
+    ]
+    print()
+    print(
+        table(
+            ["snapshots", "steps/s (median)", "cost vs none", "range", "driver blocked (s)"],
+            rows,
+        )
+    )
+    print(
+        f"\nsteps/s over steps {warm}..{args.steps - 1} of each run, snapshot steps included;"
+        " runs of all configurations are interleaved so that drift in the machine's speed"
+        " hits them alike. Driver blocked = seconds the controller waited on snapshot or"
+        " checkpoint work in the run."
+    )
 
 
 def _measured_bubble(metrics: list[dict[str, object]], warm: int) -> float:
@@ -420,7 +487,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("throughput", help="framework overhead and pipeline bubbles")
-    for q in (t,):
+    sn = sub.add_parser("snapshots", help="failure-free cost of peer and durable snapshots")
+    sn.add_argument("--repeats", type=int, default=2, help="interleaved runs per configuration")
+    for q in (t, sn):
         q.add_argument(
             "--preset", default="tiny", help="model preset (default tiny, resized below)"
         )
@@ -432,7 +501,12 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--microbatch-size", type=int, default=4, help="samples per microbatch")
         q.add_argument("--stages", type=int, default=4, help="stages of the PP x DP job")
         q.add_argument("--replicas", type=int, default=2, help="replicas of the PP x DP job")
-        q.add_argument("--steps", type=int, default=12, help="steps per measured run")
+        q.add_argument(
+            "--steps",
+            type=int,
+            default=12 if q is t else 105,
+            help="steps per measured run (default 12; snapshots: 105)",
+        )
     r = sub.add_parser("recovery", help="time from a kill to training again, per strategy")
     r.add_argument("--presets", default="small,medium", help="model presets, comma-separated")
     r.add_argument("--stages", type=int, default=4, help="pipeline stages")
@@ -455,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     start = time.perf_counter()
-    {"throughput": throughput, "recovery": recovery}[args.command](args)
+    {"throughput": throughput, "recovery": recovery, "snapshots": snapshots}[args.command](args)
     print(f"\n(bench took {time.perf_counter() - start:.0f} s)")
     return 0
 

@@ -3,6 +3,8 @@
     python scripts/train.py                        # the default demo: 4x2, two workers killed
     python scripts/train.py --stages 2 --replicas 2 --steps 50 --failures none
     python scripts/train.py --failures "kill:step=20,stage=1,replica=0;poisson:rate=0.002"
+    python scripts/train.py --replicas 1 --approximate checkfree --failures kill:step=100,stage=2,replica=0
+    python scripts/train.py --durable-every 50 --out runs/long   # re-run the same line to resume
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- python scripts/train.py
 
 Writes a run folder (``--out``) with metrics.jsonl, events.jsonl, summary.json, config.json
@@ -89,6 +91,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds without progress that count as a hang",
     )
     g.add_argument(
+        "--approximate",
+        choices=["none", "checkfree", "checkfree+"],
+        default="none",
+        help="rebuild a stage that lost every replica from its neighbours (CheckFree); "
+        "checkfree+ also trains for losing the first or last stage (default none)",
+    )
+    g.add_argument(
+        "--exact-only", action="store_true", help="never rebuild approximately: roll back instead"
+    )
+    g.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=50,
+        help="peer-memory snapshots every N steps (0: off; default 50)",
+    )
+    g.add_argument(
+        "--durable-every",
+        type=int,
+        default=0,
+        help="durable snapshots every N steps, in <out>/snapshots; re-running the same "
+        "command with the same --out resumes from the newest one (0: off)",
+    )
+    g.add_argument(
         "--checkpoint-every",
         type=int,
         default=50,
@@ -122,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         warmup_steps=args.warmup,
         schedule=args.schedule,
         seed=args.seed,
+        checkfree_plus=args.approximate == "checkfree+",
         **overrides,
     )
     topology = Topology(stages=args.stages, replicas=args.replicas)
@@ -131,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         hot_spares=args.hot_spares,
         hang_timeout_s=args.hang_timeout,
         checkpoint_every=args.checkpoint_every,
+        approximate=None if args.approximate == "none" else args.approximate,
+        exact_only=args.exact_only,
+        snapshot_every=args.snapshot_every or None,
+        durable_every=args.durable_every or None,
     )
     run_dir = RunDir(args.out) if args.out else RunDir.new("runs", "train")
     trainer = Trainer(
