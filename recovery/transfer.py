@@ -30,6 +30,38 @@ def _tensor_meta(t: torch.Tensor) -> tuple[str, tuple[int, ...], str]:
     return ("tensor", tuple(t.shape), str(t.dtype).removeprefix("torch."))
 
 
+def _describe_entry(entry: dict[str, Any], tensors: list[torch.Tensor]) -> dict[str, Any]:
+    """Describe one parameter's optimizer state; append the tensors to send to ``tensors``."""
+    meta: dict[str, Any] = {}
+    for key, value in entry.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            meta[key] = _tensor_meta(value)
+            tensors.append(value.detach())
+        elif isinstance(value, torch.Tensor):
+            # Scalars (Adam's step count) may live on the CPU even on a GPU worker, where
+            # the backend cannot send them; they travel inside the description.
+            meta[key] = ("scalar", value.detach().cpu().clone())
+        else:
+            meta[key] = ("value", value)
+    return meta
+
+
+def _allocate_entry(
+    meta: dict[str, Any], device: torch.device, targets: list[torch.Tensor]
+) -> dict[str, Any]:
+    """The receiving side of `_describe_entry`: empty tensors (appended to ``targets``, to
+    be received in order) and the values that travelled inside the description."""
+    entry: dict[str, Any] = {}
+    for key, (kind, *rest) in meta.items():
+        if kind == "tensor":
+            shape, dtype = rest
+            entry[key] = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            targets.append(entry[key])
+        else:
+            entry[key] = rest[0]
+    return entry
+
+
 def _describe(
     module: nn.Module, optimizer: torch.optim.Optimizer, step: int
 ) -> tuple[dict[str, Any], list[torch.Tensor]]:
@@ -38,17 +70,7 @@ def _describe(
     tensors: list[torch.Tensor] = list(model.values())
     state_meta: dict[int, dict[str, Any]] = {}
     for index, entry in opt["state"].items():
-        state_meta[index] = {}
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor) and value.dim() == 0:
-                # Scalars (Adam's step count) may live on the CPU even on a GPU worker,
-                # where the backend cannot send them; they travel inside the description.
-                state_meta[index][key] = ("scalar", value.detach().cpu().clone())
-            elif isinstance(value, torch.Tensor):
-                state_meta[index][key] = _tensor_meta(value)
-                tensors.append(value)
-            else:
-                state_meta[index][key] = ("value", value)
+        state_meta[index] = _describe_entry(entry, tensors)
     meta = {
         "model": [(k, *_tensor_meta(v)[1:]) for k, v in model.items()],
         "optimizer": {"state": state_meta, "param_groups": opt["param_groups"]},
@@ -108,16 +130,7 @@ def recv_state(
     targets: list[torch.Tensor] = [model[key] for key, _, _ in meta["model"]]
     state: dict[int, dict[str, Any]] = {}
     for index, entry in meta["optimizer"]["state"].items():
-        state[index] = {}
-        for key, (kind, *rest) in entry.items():
-            if kind == "tensor":
-                shape, dtype = rest
-                state[index][key] = torch.empty(
-                    shape, dtype=getattr(torch, dtype), device=comm.device
-                )
-                targets.append(state[index][key])
-            else:  # a scalar tensor or a plain value, carried in the description
-                state[index][key] = rest[0]
+        state[index] = _allocate_entry(entry, comm.device, targets)
     comm.recv_many(targets, src)
     optimizer.load_state_dict({"state": state, "param_groups": meta["optimizer"]["param_groups"]})
     total = int(blob.numel()) + sum(t.numel() * t.element_size() for t in targets)
@@ -143,18 +156,7 @@ def send_named(
             if entry:
                 opt[name] = dict(entry)
     tensors: list[torch.Tensor] = list(model.values())
-    meta_opt: dict[str, dict[str, Any]] = {}
-    for name, entry in opt.items():
-        meta_opt[name] = {}
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                meta_opt[name][key] = _tensor_meta(value)
-                tensors.append(value.detach())
-            else:
-                meta_opt[name][key] = (
-                    "scalar",
-                    value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value,
-                )
+    meta_opt = {name: _describe_entry(entry, tensors) for name, entry in opt.items()}
     meta = {"model": [(k, *_tensor_meta(v)[1:]) for k, v in model.items()], "moments": meta_opt}
     blob = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8)
     comm.isend(torch.tensor([blob.numel()], dtype=torch.int64, device=comm.device), dst)
@@ -177,17 +179,9 @@ def recv_named(
         for k, shape, dtype in meta["model"]
     }
     targets = list(state.values())
-    moments: dict[str, dict[str, Any]] = {}
-    for name, entry in meta["moments"].items():
-        moments[name] = {}
-        for key, (kind, *rest) in entry.items():
-            if kind == "tensor":
-                shape, dtype = rest
-                moments[name][key] = torch.empty(
-                    shape, dtype=getattr(torch, dtype), device=comm.device
-                )
-                targets.append(moments[name][key])
-            else:
-                moments[name][key] = rest[0]
+    moments = {
+        name: _allocate_entry(entry, comm.device, targets)
+        for name, entry in meta["moments"].items()
+    }
     comm.recv_many(targets, src)
     return state, moments, int(blob.numel()) + sum(t.numel() * t.element_size() for t in targets)
