@@ -63,7 +63,9 @@ def test_preset_parameter_counts_in_stated_range(name: str, low: int, high: int)
 def test_preset_overrides_and_unknown_names() -> None:
     cfg = LlamaConfig.preset("tiny", n_layers=6, vocab_size=512)
     assert (cfg.n_layers, cfg.vocab_size, cfg.dim) == (6, 512, 32)
-    with pytest.raises(ValueError, match=r"unknown LlamaConfig preset 'huge'.*tiny, demo, small, medium"):
+    with pytest.raises(
+        ValueError, match=r"unknown LlamaConfig preset 'huge'.*tiny, demo, small, medium"
+    ):
         LlamaConfig.preset("huge")
     with pytest.raises(ValueError, match="unknown LlamaConfig field"):
         LlamaConfig.preset("tiny", layers=3)
