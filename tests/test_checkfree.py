@@ -3,8 +3,6 @@ the CheckFree+ edge replicas in `parallelism.llama`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -42,14 +40,6 @@ from recovery.strategies import (
 from simulations.convergence import ConvergenceSetup, PipelineTrainer
 
 TINY = LlamaConfig.preset("tiny")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _state(seed: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:

@@ -7,7 +7,6 @@ import dataclasses
 import importlib.util
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -50,14 +49,6 @@ TIMES = TimeModel(
     failover_s=7.0,
     redundant_factor=1.5,
 )
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

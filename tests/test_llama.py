@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,14 +20,6 @@ from parallelism.llama import (
 )
 
 TINY = LlamaConfig.preset("tiny")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _tokens(config: LlamaConfig, batch: int = 2, seq_len: int = 16, seed: int = 0) -> torch.Tensor:
