@@ -31,6 +31,7 @@ embeddings -- exactly DLRM's interaction.
 
 from __future__ import annotations
 
+import abc
 import math
 import os
 from collections.abc import Sequence
@@ -117,17 +118,17 @@ class ClickBatch:
         )
 
 
-class _ClickSource:
+class _ClickSource(abc.ABC):
     """What both sources share: deterministic microbatches, replica batches, held-out data."""
 
     batch_size: int
     microbatches: int
     seed: int
 
+    @abc.abstractmethod
     def _draw(self, split: str, key: list[int], size: int, *, fixed: bool = False) -> ClickBatch:
         """``size`` samples of ``split`` from a generator keyed by ``key``; ``fixed``: the
         held-out set of `heldout`."""
-        raise NotImplementedError
 
     def microbatch(
         self, step: int, replica: int, microbatch: int, *, split: str = "train"

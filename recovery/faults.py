@@ -20,6 +20,7 @@ import enum
 import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 from parallelism.topology import Topology
 
@@ -50,58 +51,49 @@ def _non_negative(name: str, value: int) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Kill:
+class _AtWorker:
+    """A fault that strikes worker ``(stage, replica)`` at point ``at`` of step ``step``."""
+
+    step: int
+    stage: int
+    replica: int
+    at: KillPoint = KillPoint.BEFORE_FORWARD
+
+    _word: ClassVar[str]
+    """Its name in the text form."""
+
+    def __post_init__(self) -> None:
+        for name in ("step", "stage", "replica"):
+            _non_negative(name, getattr(self, name))
+        object.__setattr__(self, "at", _point(self.at))
+
+    def __str__(self) -> str:
+        return (
+            f"{self._word}:step={self.step},stage={self.stage},replica={self.replica},"
+            f"at={self.at.value}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Kill(_AtWorker):
     """SIGKILL worker ``(stage, replica)`` at point ``at`` of step ``step``."""
 
-    step: int
-    stage: int
-    replica: int
-    at: KillPoint = KillPoint.BEFORE_FORWARD
-
-    def __post_init__(self) -> None:
-        for name in ("step", "stage", "replica"):
-            _non_negative(name, getattr(self, name))
-        object.__setattr__(self, "at", _point(self.at))
-
-    def __str__(self) -> str:
-        return f"kill:step={self.step},stage={self.stage},replica={self.replica},at={self.at.value}"
+    _word: ClassVar[str] = "kill"
 
 
 @dataclass(frozen=True, kw_only=True)
-class Hang:
+class Hang(_AtWorker):
     """Make worker ``(stage, replica)`` stop making progress at ``at`` of step ``step``."""
 
-    step: int
-    stage: int
-    replica: int
-    at: KillPoint = KillPoint.BEFORE_FORWARD
-
-    def __post_init__(self) -> None:
-        for name in ("step", "stage", "replica"):
-            _non_negative(name, getattr(self, name))
-        object.__setattr__(self, "at", _point(self.at))
-
-    def __str__(self) -> str:
-        return f"hang:step={self.step},stage={self.stage},replica={self.replica},at={self.at.value}"
+    _word: ClassVar[str] = "hang"
 
 
 @dataclass(frozen=True, kw_only=True)
-class Corrupt:
+class Corrupt(_AtWorker):
     """Silently corrupt worker ``(stage, replica)``'s weights with a NaN at ``at`` of step
     ``step`` -- what a bit flip in memory looks like to training."""
 
-    step: int
-    stage: int
-    replica: int
-    at: KillPoint = KillPoint.BEFORE_FORWARD
-
-    def __post_init__(self) -> None:
-        for name in ("step", "stage", "replica"):
-            _non_negative(name, getattr(self, name))
-        object.__setattr__(self, "at", _point(self.at))
-
-    def __str__(self) -> str:
-        return f"nan:step={self.step},stage={self.stage},replica={self.replica},at={self.at.value}"
+    _word: ClassVar[str] = "nan"
 
 
 @dataclass(frozen=True, kw_only=True)
