@@ -372,6 +372,21 @@ class StageComm:
             return None
         return self._stage.allreduce([tensor])
 
+    def broadcast_stage(self, tensor: torch.Tensor, root: int) -> None:
+        """Overwrite ``tensor`` with replica ``root``'s, across this stage's replicas; blocks.
+
+        Raises:
+            RuntimeError: if the groups were closed, or a peer died.
+        """
+        if self.closed:
+            raise RuntimeError("process group used after close()")
+        if self._stage is None:
+            return
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        opts.rootTensor = 0
+        self.wait(self._stage.broadcast([tensor], opts))
+
     def allreduce_tied(self, tensor: torch.Tensor) -> dist.Work:
         """Start a sum all-reduce of ``tensor`` over the holders of this worker's tied parameters.
 

@@ -53,6 +53,7 @@ from recovery.planner import (
     REPLICA_COPY,
     RESTART,
     ROLLBACK,
+    SHARD_MIRROR,
     Action,
     RecoveryPlan,
     Redundancy,
@@ -214,6 +215,11 @@ class Controller:
         """Connect to Ray, host the store, start and set up every worker, form generation 0."""
         assert self.phase is Phase.STARTING
         self.tokens_per_step = self.spec.check(self.topology)
+        if self.spec.shard_optimizer and self.policy.approximate and not self.policy.exact_only:
+            raise ValueError(
+                "shard_optimizer (ZeRO-1) does not combine with approximate (CheckFree) "
+                "recovery: a rebuilt stage has no optimizer shards to average"
+            )
         self.started_ray = connect()
         self.host = "127.0.0.1" if self.started_ray else driver_host()
         self._store = host_store(self.host)
@@ -706,7 +712,19 @@ class Controller:
             peer_own=own,
             peer_held=held,
             durable_steps=tuple(self.durable_steps),
+            mirror_holder=self._mirror_holders(),
         )
+
+    def _mirror_holders(self) -> dict[int, int]:
+        """Rank -> the rank mirroring its shard (ZeRO-1: the next replica of its stage)."""
+        if not self.spec.shard_optimizer:
+            return {}
+        t = self.topology
+        return {
+            t.rank(s, r): t.rank(s, (r + 1) % t.replicas)
+            for s in range(t.stages)
+            for r in range(t.replicas)
+        }
 
     # -- recovery ------------------------------------------------------------------------
 
@@ -781,6 +799,7 @@ class Controller:
                     self.policy,
                     rollback_all=failure.numerical,
                 )
+        moved += self._seed_mirrors()
         t_transfer = time.perf_counter() - t0
 
         event = RecoveryEvent(
@@ -823,6 +842,19 @@ class Controller:
         self._failure = None
         self.step = recovery.resume_step
         self.phase = Phase.RUNNING
+
+    def _seed_mirrors(self) -> int:
+        """ZeRO-1: after any recovery every worker re-seeds its holder's mirror (the holder
+        may be new, or hold a copy from before a rollback). Returns bytes moved."""
+        if not self.spec.shard_optimizer:
+            return 0
+        sent = self._call(
+            {rank: m.actor for rank, m in self.members.items()},
+            "seed_mirror",
+            timeout_s=self.config.start_timeout_s,
+            what="seed the optimizer-shard mirrors",
+        )
+        return sum(int(v) for v in sent.values())
 
     def _replace(self, ranks: Sequence[int], *, cold: bool) -> set[int]:
         """Start (or take hot spares for) ``ranks`` and build their stages.
@@ -892,6 +924,15 @@ class Controller:
             for dst in dsts:
                 refs[(dst, "copy")] = self.members[dst].actor.recv_state.remote(src)
         for action in recovery.actions:
+            if action.strategy == SHARD_MIRROR:
+                (holder,) = action.sources
+                refs[(holder, f"send{action.rank}")] = self.members[
+                    holder
+                ].actor.send_mirror.remote(action.rank)
+                refs[(action.rank, "copy")] = self.members[action.rank].actor.recv_shard.remote(
+                    holder
+                )
+        for action in recovery.actions:
             if action.strategy in (NEIGHBOR_AVERAGE, EDGE_COPY):
                 refs.update(self._start_rebuild(action, recovery.resume_step))
         keys = list(refs)
@@ -901,12 +942,18 @@ class Controller:
         if errors:
             raise RecoveryError(_describe_errors("transfer state", errors))
         got = {k: results[i] for i, k in enumerate(keys)}
-        steps = {got[(a.rank, "copy")][0] for a in recovery.actions if a.strategy == REPLICA_COPY}
+        steps = {
+            got[(a.rank, "copy")][0]
+            for a in recovery.actions
+            if a.strategy in (REPLICA_COPY, SHARD_MIRROR)
+        }
         assert steps <= {recovery.resume_step}, (steps, recovery.resume_step)
         for action in recovery.actions:  # a rebuilt stage has no gradient history yet
             if action.strategy in (NEIGHBOR_AVERAGE, EDGE_COPY):
                 self.grad_norms[self.topology.worker(action.rank).stage] = None
-        return sum(int(v) for k, v in got.items() if k[1] == "send" or k[1].startswith("named"))
+        return sum(
+            int(v) for k, v in got.items() if k[1].startswith("send") or k[1].startswith("named")
+        )
 
     def _start_rebuild(self, action: Action, step: int) -> dict[tuple[int, str], Any]:
         """Start a CheckFree(+) rebuild of ``action.rank`` from its neighbours' live workers."""
@@ -1057,6 +1104,10 @@ class Controller:
     def states(self) -> dict[tuple[int, int], dict[str, Any]]:
         """Every worker's final state, keyed by (stage, replica)."""
         actors = {rank: m.actor for rank, m in self.members.items()}
+        if self.spec.shard_optimizer:  # the parameters a replica does not own are a step behind
+            self._call(
+                actors, "sync_params", timeout_s=self.config.start_timeout_s, what="sync parameters"
+            )
         states = self._call(
             actors, "state", timeout_s=self.config.start_timeout_s, what="collect states"
         )

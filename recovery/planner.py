@@ -4,6 +4,8 @@
 the first allowed source that exists in the recovery hierarchy (docs/DESIGN.md):
 
 1. ``replica_copy``: a live replica of the same stage at the highest committed step (exact);
+   where the state is sharded (ZeRO-1 optimizer shards, embedding-table shards), each
+   lost shard comes from the ring neighbour that mirrors it instead (``shard_mirror``);
 2. ``neighbor_average`` (CheckFree): a lost intermediate stage whose two neighbouring stages
    have live replicas is rebuilt as their gradient-norm-weighted average (approximate);
 3. ``edge_copy`` (CheckFree+): a lost first/last stage is rebuilt from its swap partner,
@@ -34,12 +36,14 @@ from recovery.errors import RedundancyExhausted
 from recovery.policy import RecoveryPolicy
 
 REPLICA_COPY = "replica_copy"
+SHARD_MIRROR = "shard_mirror"
+EMBEDDING_PARTIAL = "embedding_partial"
 NEIGHBOR_AVERAGE = "neighbor_average"
 EDGE_COPY = "edge_copy"
 ROLLBACK = "rollback"
 RESTART = "restart"
 
-APPROXIMATE = frozenset({NEIGHBOR_AVERAGE, EDGE_COPY})
+APPROXIMATE = frozenset({NEIGHBOR_AVERAGE, EDGE_COPY, EMBEDDING_PARTIAL})
 """Strategies whose result is not the state the lost worker had."""
 
 PEER_TIER = "peer"
@@ -60,6 +64,10 @@ class Redundancy:
     """Holder rank -> ward rank -> snapshot steps of the ward's state the holder keeps."""
     durable_steps: tuple[int, ...] = ()
     """Steps with an intact, complete durable snapshot."""
+    mirror_holder: Mapping[int, int] = field(default_factory=dict)
+    """Rank -> the rank that mirrors its shard, for jobs whose state is sharded (ZeRO-1,
+    embedding tables): such a worker can only come back from its mirror (or a rollback).
+    Empty: nothing is sharded."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,8 @@ class RecoveryPlan:
     lost: tuple[int, ...] = ()
     tier: str | None = None
     """For rollbacks: ``peer`` or ``durable``."""
+    reason: str = ""
+    """For rollbacks: why nothing less would do."""
 
     @property
     def strategy(self) -> str:
@@ -97,6 +107,8 @@ class RecoveryPlan:
     def describe(self, topology: Topology) -> str:
         tier = f" from the {self.tier} tier" if self.tier else ""
         lines = [f"recovery plan: resume at step {self.resume_step}{tier}"]
+        if self.reason:
+            lines.append(f"  because {self.reason}")
         for a in self.actions:
             src = ", ".join(str(topology.worker(s)) for s in a.sources) or "-"
             lines.append(f"  {topology.worker(a.rank)} <- {a.strategy} from {src}")
@@ -148,11 +160,16 @@ def plan(
             targets = sorted(r for r in group if r in lost_set)
             if not targets:
                 continue
-            stage_actions = _exact(topology, stage, targets, current, policy) or _approximate(
-                topology, stage, targets, current, dead_stages, policy
-            )
+            if redundancy.mirror_holder:
+                stage_actions = _from_mirrors(targets, redundancy.mirror_holder, current, policy)
+            else:
+                stage_actions = _exact(
+                    topology, stage, targets, current, policy
+                ) or _approximate(topology, stage, targets, current, dead_stages, policy)
             if stage_actions:
                 actions.extend(stage_actions)
+            elif redundancy.mirror_holder:
+                unplanned.append(_why_mirror(topology, targets, redundancy.mirror_holder, current))
             else:
                 unplanned.append(_why(topology, stage, targets, dead_stages, policy))
     if not unplanned and not rollback_all:
@@ -179,6 +196,30 @@ def _exact(
         Action(rank=t, strategy=REPLICA_COPY, sources=(sources[i % len(sources)],))
         for i, t in enumerate(targets)
     ]
+
+
+def _from_mirrors(
+    targets: list[int], holders: Mapping[int, int], current: set[int], policy: RecoveryPolicy
+) -> list[Action]:
+    """Each lost shard from the live, current worker that mirrors it; [] if any has none."""
+    if not policy.allows(SHARD_MIRROR):
+        return []
+    if any(holders.get(t) not in current for t in targets):
+        return []
+    return [Action(rank=t, strategy=SHARD_MIRROR, sources=(holders[t],)) for t in targets]
+
+
+def _why_mirror(
+    topology: Topology, targets: list[int], holders: Mapping[int, int], current: set[int]
+) -> str:
+    gone = [t for t in targets if holders.get(t) not in current]
+    if not gone:
+        return "the policy does not allow shard_mirror"
+    return "; ".join(
+        f"the shard of {topology.worker(t)} is lost with its mirror on "
+        f"{topology.worker(holders[t]) if t in holders else 'nobody'}"
+        for t in gone
+    )
 
 
 def _live_replica(topology: Topology, stage: int, current: set[int], index: int) -> int | None:
@@ -277,12 +318,16 @@ def _rollback(
             )
             actions.append(Action(rank=rank, strategy=ROLLBACK, sources=(holders[0],)))
         return RecoveryPlan(
-            tuple(actions), resume_step=peer, lost=tuple(sorted(lost)), tier=PEER_TIER
+            tuple(actions), resume_step=peer, lost=tuple(sorted(lost)), tier=PEER_TIER, reason=reason
         )
     assert durable is not None
     actions = [Action(rank=r, strategy=ROLLBACK) for r in range(topology.world_size)]
     return RecoveryPlan(
-        tuple(actions), resume_step=durable, lost=tuple(sorted(lost)), tier=DURABLE_TIER
+        tuple(actions),
+        resume_step=durable,
+        lost=tuple(sorted(lost)),
+        tier=DURABLE_TIER,
+        reason=reason,
     )
 
 

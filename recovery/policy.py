@@ -12,7 +12,14 @@ if TYPE_CHECKING:
 
 STRATEGIES = ("auto", "restart")
 APPROXIMATIONS = (None, "checkfree", "checkfree+")
-STRATEGY_NAMES = ("replica_copy", "neighbor_average", "edge_copy", "rollback")
+STRATEGY_NAMES = (
+    "replica_copy",
+    "shard_mirror",
+    "neighbor_average",
+    "edge_copy",
+    "embedding_partial",
+    "rollback",
+)
 """The recovery strategies a policy can allow (see docs/DESIGN.md, Recovery hierarchy)."""
 
 

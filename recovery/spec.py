@@ -69,6 +69,10 @@ class TrainSpec:
     """``(stage, num_stages) -> parameter names`` the stage holds bit-identical replicas of
     with its swap partner (CheckFree+'s (de)embedding replicas); their gradients are summed
     over both holders every step. None: nothing shared."""
+    shard_optimizer: bool = False
+    """ZeRO-1: shard each stage's optimizer state over its replicas, every shard mirrored
+    on the ring neighbour (see parallelism/zero.py). Needs at least 2 replicas; a lost
+    replica's shard comes back bit-exact from the mirror (``shard_mirror``)."""
     name: str = "custom"
     """A short name for logs and summaries."""
 
@@ -93,6 +97,11 @@ class TrainSpec:
         if self.shared_params is not None and not callable(self.shared_params):
             raise ValueError(
                 f"TrainSpec.shared_params must be callable or None, got {self.shared_params!r}"
+            )
+        if self.shard_optimizer and (self.routes != "natural" or self.shared_params):
+            raise ValueError(
+                "shard_optimizer (ZeRO-1) does not combine with CheckFree+ training "
+                "(swapped routes, shared parameters)"
             )
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm must be positive or None, got {self.clip_grad_norm}")
@@ -153,6 +162,11 @@ class TrainSpec:
         """
         if self.check_stages is not None:
             self.check_stages(topology.stages)
+        if self.shard_optimizer and topology.replicas < 2:
+            raise ValueError(
+                f"shard_optimizer (ZeRO-1) needs at least 2 replicas per stage, got "
+                f"{topology.replicas}"
+            )
         if self.routes == "swapped" and topology.stages < 4:
             raise ValueError(
                 f"swapped routes (CheckFree+) need at least 4 stages, got {topology.stages}"
@@ -181,6 +195,7 @@ class TrainSpec:
         seed: int = 0,
         max_bytes: int = 8_000_000,
         checkfree_plus: bool = False,
+        shard_optimizer: bool = False,
         **config_overrides: int | float,
     ) -> TrainSpec:
         """A LLaMA-style decoder trained on byte-level text.
@@ -195,6 +210,8 @@ class TrainSpec:
             checkfree_plus: train for CheckFree+ recovery: swapped routes on odd
                 microbatches, and replicas of the embedding on stage 1 and of the head on
                 stage ``S-2`` (needs ``RecoveryPolicy(approximate="checkfree+")`` to be used).
+            shard_optimizer: ZeRO-1 -- AdamW state sharded over each stage's replicas,
+                each shard mirrored on the ring neighbour.
             config_overrides: fields of `LlamaConfig` to change (``dim=``, ``n_layers=``...).
 
         Raises:
@@ -243,7 +260,10 @@ class TrainSpec:
             check_stages=functools.partial(partition_layers, config),
             routes="swapped" if checkfree_plus else "natural",
             shared_params=edge_replica_keys if checkfree_plus else None,
-            name=f"llama-{preset}" + ("-checkfree+" if checkfree_plus else ""),
+            shard_optimizer=shard_optimizer,
+            name=f"llama-{preset}"
+            + ("-checkfree+" if checkfree_plus else "")
+            + ("-zero1" if shard_optimizer else ""),
         )
 
 

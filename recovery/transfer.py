@@ -86,11 +86,14 @@ def send_state(
     optimizer: torch.optim.Optimizer,
     step: int,
     extra: dict[str, Any] | None = None,
+    *,
+    wait: bool = True,
 ) -> int:
     """Send this worker's full state to global rank ``dst``. Returns the bytes sent.
 
     ``extra`` (small, picklable) travels in the description: per-worker marks such as
-    when the stage was last rebuilt.
+    when the stage was last rebuilt. ``wait=False`` returns once the sends are posted
+    (finish them with ``comm.wait_sends()``), so a worker can receive meanwhile.
     """
     meta, tensors = _describe(module, optimizer, step)
     meta["extra"] = extra or {}
@@ -99,7 +102,8 @@ def send_state(
     comm.isend(blob.to(comm.device), dst)
     for t in tensors:
         comm.isend(t.detach(), dst)
-    comm.wait_sends()
+    if wait:
+        comm.wait_sends()
     return int(blob.numel() + sum(t.numel() * t.element_size() for t in tensors))
 
 

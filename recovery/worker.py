@@ -34,6 +34,7 @@ from parallelism.engine import StageEngine, StepStats
 from parallelism.schedule import Schedule, build_schedule, forward_only, swapped_routes
 from parallelism.seeding import seed_everything
 from parallelism.topology import Topology
+from parallelism.zero import ZeroShard
 from recovery.checkpoint import load_checkpoint, save_checkpoint
 from recovery.faults import Corrupt, Fault, Kill, KillPoint, WorkerFault
 from recovery.snapshots import (
@@ -148,7 +149,12 @@ class StageWorker:
         self.module = spec.build(self.stage, topology.stages).to(self.device)
         shared = spec.shared_params(self.stage, topology.stages) if spec.shared_params else []
         self.shared_names = list(shared)
-        self.optimizer = self._make_optimizer()
+        self.zero: ZeroShard | None = None
+        if spec.shard_optimizer:
+            self.zero = ZeroShard(
+                self.module, spec.make_optimizer, replica=self.replica, replicas=topology.replicas
+            )
+        self.optimizer = self.zero.optimizer if self.zero else self._make_optimizer()
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]
         routes = None
         if spec.routes == "swapped":
@@ -226,6 +232,8 @@ class StageWorker:
         )
         self.generation = generation
         self.buddy, self.ward = buddy, ward
+        if self.zero is not None:
+            self.zero.synced = False  # a new member may hold nothing current: sync everyone
         return time.perf_counter() - start
 
     def leave(self) -> None:
@@ -268,10 +276,12 @@ class StageWorker:
             )
         self._faults = [f for f in faults if isinstance(f, WorkerFault) and f.step == step]
         self._activity = ("step", time.time())
-        self.optimizer.zero_grad(set_to_none=True)
+        self.module.zero_grad(set_to_none=True)
         seed_everything(self.spec.seed, "step", self.stage, self.replica, step)
         inputs, targets = self._data(self.spec.batches, step, self.schedule)
         try:
+            if self.zero is not None:
+                self.zero.sync(self.comm)
             stats = self.engine.run(self.schedule, self.comm, inputs, targets, self._hook)
         except Exception as exc:
             return self._failed(step, exc)
@@ -294,7 +304,11 @@ class StageWorker:
             factor = self.checkfree.lr_factor(max(0, step - self.rebuilt_at))
         apply_lr_schedule(self.optimizer, self.spec.lr_schedule, step, self.base_lrs, factor=factor)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.zero is not None:
+            mirror = self.zero.mirror_optimizer
+            apply_lr_schedule(mirror, self.spec.lr_schedule, step, self.base_lrs, factor=factor)
+            self.zero.step_mirror()
+        self.module.zero_grad(set_to_none=True)
         self.step = step + 1
         self._hook(KillPoint.AFTER_COMMIT.value)
         self._faults = []
@@ -302,13 +316,15 @@ class StageWorker:
 
     def abandon(self, step: int) -> None:
         """Drop the uncommitted gradients of ``step`` (it will be run again)."""
-        self.optimizer.zero_grad(set_to_none=True)
+        self.module.zero_grad(set_to_none=True)
 
     def evaluate(self, index: int) -> StepReport:
         """Forward-only pass over held-out batch ``index``; losses reported by last stages."""
         assert self.spec is not None and self.spec.val_batches is not None
         inputs, targets = self._data(self.spec.val_batches, index, self.eval_schedule)
         try:
+            if self.zero is not None:
+                self.zero.sync(self.comm)
             stats = self.engine.run(self.eval_schedule, self.comm, inputs, targets)
         except Exception as exc:
             return self._failed(self.step, exc)
@@ -347,7 +363,7 @@ class StageWorker:
                     self._hook(fault.at.value)
         # Tear down first so that peers blocked on us fail fast (see parallelism/comm.py).
         self.leave()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.module.zero_grad(set_to_none=True)
         if not is_comm_error(exc):
             raise exc
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
@@ -402,7 +418,7 @@ class StageWorker:
         Returns the committed step and what redundancy this worker holds (peer snapshots,
         finished durable writes), for the planner.
         """
-        self.optimizer.zero_grad(set_to_none=True)
+        self.module.zero_grad(set_to_none=True)
         self._faults = []
         self.leave()
         return self.flush_snapshots()  # let durable writes in flight land before anyone prunes
@@ -558,6 +574,39 @@ class StageWorker:
         # A copy of a rebuilt stage keeps its learning-rate scale, or the replicas diverge.
         self.rebuilt_at, self.checkfree = extra.get("rebuilt_at"), extra.get("checkfree")
         return self.step, received
+
+    # -- ZeRO-1 shards (see parallelism/zero.py) -----------------------------------------
+
+    def sync_params(self) -> None:
+        """Every parameter from its owner (ZeRO-1; a collective over the stage group)."""
+        if self.zero is not None:
+            self.zero.sync(self.comm)
+
+    def send_mirror(self, dst: int) -> int:
+        """Send the mirror of the ward's shard to ``dst``, the ward's replacement. Returns bytes."""
+        assert self.comm is not None and self.zero is not None
+        zero = self.zero
+        return send_state(self.comm, dst, zero.mirror, zero.mirror_optimizer, self.step)
+
+    def recv_shard(self, src: int) -> tuple[int, int]:
+        """Take this worker's own shard from its holder's mirror. Returns ``(step, bytes)``."""
+        assert self.comm is not None and self.zero is not None
+        self.step, received, _ = recv_state(self.comm, src, self.zero.owned, self.optimizer)
+        self.zero.synced = False
+        return self.step, received
+
+    def seed_mirror(self) -> int:
+        """Send this worker's shard to its holder and take a fresh mirror of its ward's
+        (after a recovery: the holders' copies may be gone or from before a rollback).
+        Returns bytes sent."""
+        assert self.comm is not None and self.zero is not None
+        zero = self.zero
+        holder = self.topology.rank(self.stage, zero.holder)
+        ward = self.topology.rank(self.stage, zero.ward)
+        sent = send_state(self.comm, holder, zero.owned, self.optimizer, self.step, wait=False)
+        recv_state(self.comm, ward, zero.mirror, zero.mirror_optimizer)
+        self.comm.wait_sends()
+        return sent
 
     def send_named_state(self, dst: int, moments: bool) -> int:
         """Send this stage's weights (and optimizer moments) to a rebuilt neighbour. Returns bytes."""
