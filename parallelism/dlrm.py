@@ -65,6 +65,7 @@ __all__ = [
     "DLRM",
     "Collective",
     "DLRMConfig",
+    "DLRMTraining",
     "DLRMWorker",
     "DenseDLRM",
     "EmbeddingShard",
@@ -75,6 +76,7 @@ __all__ = [
     "ShardLayout",
     "StepLoss",
     "StepUpdate",
+    "dlrm_loss",
     "init_table_rows",
     "log_loss",
     "roc_auc",
@@ -675,8 +677,14 @@ class DLRMWorker:
         self.eps = eps
         self._pending: _Pending | None = None
 
-    def run_step(self, coll: Collective, batch: ClickBatch) -> StepLoss:
+    def run_step(
+        self, coll: Collective, batch: ClickBatch, hook: Callable[[str], None] | None = None
+    ) -> StepLoss:
         """Phase one: exchange, forward, backward, gradient exchange and all-reduce.
+
+        ``hook`` is called with ``"mid_pipeline"`` after the lookup exchange and with
+        ``"during_allreduce"`` between the gradient exchange and the dense all-reduce (the
+        points where the runtime injects failures).
 
         Raises:
             ValueError: for a batch that does not fit the model, or a collective of another
@@ -695,8 +703,10 @@ class DLRMWorker:
                 f"batch has {batch.dense.shape[1]} dense features, the model "
                 f"{self.config.dense_features}"
             )
+        hook = hook or (lambda point: None)
         routing = route_lookups(self.layout, batch.sparse)
         embeddings, incoming, received = self._lookup(coll, routing)
+        hook("mid_pipeline")
         self.dense.zero_grad(set_to_none=False)
         logits = self.dense(batch.dense, embeddings)
         loss_sum = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
@@ -705,6 +715,7 @@ class DLRMWorker:
         grads = coll.all_to_all(list(received.grad.split(routing.splits)))
         pending = _owner_gradients(incoming, grads)
         flat = torch.cat([_grad(p).reshape(-1) for p in self.dense.parameters()])
+        hook("during_allreduce")
         coll.all_reduce_sum(flat)
         offset = 0
         for p in self.dense.parameters():
@@ -713,6 +724,13 @@ class DLRMWorker:
             offset += n
         self._pending = pending
         return StepLoss(loss_sum=float(loss_sum.detach()), samples=routing.batch)
+
+    @property
+    def pending(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The uncommitted step's ``(rows, summed gradients, lookups)`` of this shard (rows
+        unique, ascending), or None."""
+        p = self._pending
+        return None if p is None else (p.rows, p.grads, p.lookups)
 
     def commit(self) -> StepUpdate:
         """Phase two: apply the pending step. Returns the rows it updated in this shard.
@@ -785,8 +803,52 @@ class DLRMWorker:
         self._pending = None
 
 
+def dlrm_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean binary cross-entropy of click logits against labels."""
+    return F.binary_cross_entropy_with_logits(logits, labels)
+
+
 def _grad(p: nn.Parameter) -> Tensor:
     return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+@dataclass(frozen=True)
+class DLRMTraining:
+    """How the runtime trains a DLRM (`recovery.spec.TrainSpec.dlrm`): the model and the
+    learning rates of its two optimizers.
+
+    Raises:
+        ValueError: for a non-positive learning rate or epsilon.
+    """
+
+    config: DLRMConfig
+    sparse_lr: float = 0.05
+    """Row-wise Adagrad of the embedding rows."""
+    dense_lr: float = 1e-3
+    """Adam of the dense part."""
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        for name in ("sparse_lr", "dense_lr", "eps"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"DLRMTraining.{name} must be a positive number, got {value!r}")
+
+    def worker(self, rank: int, world_size: int, *, seed: int) -> DLRMWorker:
+        """Worker ``rank`` of ``world_size`` at the initial state.
+
+        Raises:
+            ValueError: if the tables cannot be split into ``world_size`` shards.
+        """
+        return DLRMWorker(
+            self.config,
+            ShardLayout(self.config.table_rows, world_size),
+            rank,
+            seed=seed,
+            sparse_lr=self.sparse_lr,
+            dense_lr=self.dense_lr,
+            eps=self.eps,
+        )
 
 
 # ---- the unsharded reference -----------------------------------------------------------

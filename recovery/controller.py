@@ -49,6 +49,7 @@ from recovery.placement import place, replacement_node
 from recovery.planner import (
     DURABLE_TIER,
     EDGE_COPY,
+    EMBEDDING_PARTIAL,
     NEIGHBOR_AVERAGE,
     REPLICA_COPY,
     RESTART,
@@ -64,6 +65,7 @@ from recovery.pool import POOL
 from recovery.ray_env import alive_nodes, connect, driver_host
 from recovery.snapshots import DurableStore, buddies
 from recovery.spec import TrainSpec
+from recovery.table_worker import TableWorker
 from recovery.worker import StageWorker, StepReport, WorkerInfo
 
 log = logging.getLogger("checkfree")
@@ -90,7 +92,20 @@ class _RemoteWorker(StageWorker):
         StageWorker.abort(self)
 
 
+class _RemoteTableWorker(TableWorker):
+    """`TableWorker` as a Ray actor, with the same control thread as `_RemoteWorker`."""
+
+    @ray.method(concurrency_group="control")
+    def probe(self) -> dict[str, object]:  # type: ignore[override]
+        return StageWorker.probe(self)
+
+    @ray.method(concurrency_group="control")
+    def abort(self) -> None:  # type: ignore[override]
+        StageWorker.abort(self)
+
+
 _REMOTE_WORKER = ray.remote(concurrency_groups={"control": 1})(_RemoteWorker)  # type: ignore[call-overload]
+_REMOTE_TABLE_WORKER = ray.remote(concurrency_groups={"control": 1})(_RemoteTableWorker)  # type: ignore[call-overload]
 
 
 @dataclass
@@ -204,6 +219,12 @@ class Controller:
         self.durable_steps: list[int] = []
         self._durable_done: dict[int, set[int]] = {}
         self.resumed_from: int | None = None
+        self.ring: dict[int, int] = {}
+        """Rank -> its buddy in the current generation: the holder of its peer snapshots
+        and (embedding tables) of its shard mirror."""
+        self._accepted: list[tuple[int, float]] = []
+        """Embedding tables: (committed steps, lost samples) of every partial restore on
+        the current timeline (for the job's PLS)."""
         self.grad_norms: list[float | None] = [None] * topology.stages
         """Each stage's clipped gradient norm at the last committed step (CheckFree weights)."""
         self.timings: dict[str, list[float]] = {}
@@ -239,7 +260,7 @@ class Controller:
         self._call(
             {rank: m.actor for rank, m in self.members.items()},
             "setup",
-            lambda rank: (self.spec, self.topology, rank, self.config.backend),
+            self._setup_args,
             timeout_s=self.config.start_timeout_s,
             what="build stages",
         )
@@ -251,6 +272,7 @@ class Controller:
         self.form_generation()
         if self.policy.durable_every is not None:
             self._open_durable()
+        self._seed_mirrors()
         self.started_at = time.perf_counter()
         self.started_wall = time.time()
         self.phase = Phase.RUNNING
@@ -313,9 +335,14 @@ class Controller:
                 "its checksums, see the log); move the folder away to start from scratch"
             )
 
+    def _setup_args(self, rank: int) -> tuple[Any, ...]:
+        args = (self.spec, self.topology, rank, self.config.backend)
+        return (*args, self.policy.mirror_plan) if self.spec.tables is not None else args
+
     @property
     def _pool_key(self) -> tuple[Any, ...]:
         return (
+            self.spec.tables is not None,
             self.config.threads_per_worker,
             self.config.backend,
             tuple(sorted(self.config.worker_options.items())),
@@ -335,7 +362,8 @@ class Controller:
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
                 node_id, soft=False, _fail_on_unavailable=True
             )
-        return _REMOTE_WORKER.options(**options).remote(self.config.threads_per_worker)
+        remote = _REMOTE_TABLE_WORKER if self.spec.tables is not None else _REMOTE_WORKER
+        return remote.options(**options).remote(self.config.threads_per_worker)
 
     def _start_workers(self, assignment: dict[int, str], *, warm: bool = True) -> dict[int, Member]:
         """Start (or take warm from the pool, if ``warm``) one actor per rank on its node."""
@@ -389,11 +417,13 @@ class Controller:
             self.host, self._store.port, f"gen{self.generation}", self.config.join_timeout_s
         )
         peer = bool(self.policy.snapshot_every) and self.topology.world_size > 1
+        mirrors = self.spec.tables is not None and self.topology.world_size > 1
         ring = (
             buddies(self.topology, {r: m.info.node_id for r, m in self.members.items()})
-            if peer
+            if peer or mirrors
             else {}
         )
+        self.ring = ring
         wards = {buddy: ward for ward, buddy in ring.items()}
         self._call(
             {rank: m.actor for rank, m in self.members.items()},
@@ -701,7 +731,9 @@ class Controller:
             self._timed("durable_write", start)
             self._durable_done.setdefault(self.step, set())
 
-    def _redundancy(self, alive: dict[int, int]) -> Redundancy:
+    def _redundancy(
+        self, alive: dict[int, int], assessed: dict[int, dict[str, int]] | None = None
+    ) -> Redundancy:
         own = {r: self.holdings.get(r, {}).get(r, []) for r in alive}
         held = {
             h: {w: steps for w, steps in self.holdings.get(h, {}).items() if w != h} for h in alive
@@ -713,10 +745,38 @@ class Controller:
             peer_held=held,
             durable_steps=tuple(self.durable_steps),
             mirror_holder=self._mirror_holders(),
+            mirror_stale={r: a["rows_stale"] > 0 for r, a in (assessed or {}).items()},
+            pls=self._pls(alive, assessed or {})[1],
         )
 
+    def _pls(
+        self, alive: dict[int, int], assessed: dict[int, dict[str, int]]
+    ) -> tuple[float, float]:
+        """Embedding tables: ``(samples whose updates this failure loses, the job's PLS if
+        it is accepted)``. See [Note: portion of lost samples]."""
+        if self.spec.tables is None or not assessed:
+            return 0.0, 0.0
+        features = self.spec.tables.config.num_tables
+        lost = sum(a["lost_lookups"] for a in assessed.values()) / features
+        samples = max(alive.values(), default=0) * self.tokens_per_step
+        total = sum(s for _, s in self._accepted) + lost
+        return lost, (total / samples if samples else (0.0 if total == 0 else math.inf))
+
+    def _assess_mirrors(self, lost: set[int], alive: dict[int, int]) -> dict[int, dict[str, int]]:
+        """Embedding tables: ask each lost shard's live mirror holder what a restore gives."""
+        if self.spec.tables is None:
+            return {}
+        step = max(alive.values(), default=0)
+        holders = {r: self.ring[r] for r in lost if alive.get(self.ring.get(r, -1)) == step}
+        refs = {r: self.members[h].actor.assess_mirror.remote(r) for r, h in holders.items()}
+        answers, _ = self._gather(refs, 60.0)  # a holder that fails to answer: no mirror
+        return answers
+
     def _mirror_holders(self) -> dict[int, int]:
-        """Rank -> the rank mirroring its shard (ZeRO-1: the next replica of its stage)."""
+        """Rank -> the rank mirroring its shard (ZeRO-1: the next replica of its stage;
+        embedding tables: its buddy on the ring)."""
+        if self.spec.tables is not None:
+            return dict(self.ring)
         if not self.spec.shard_optimizer:
             return {}
         t = self.topology
@@ -754,11 +814,12 @@ class Controller:
         for rank in lost:
             self.holdings.pop(rank, None)
         alive = {rank: rep.step for rank, rep in reports.items() if rank not in lost}
+        assessed = {} if failure.numerical else self._assess_mirrors(lost, alive)
         try:
             recovery = plan(
                 self.topology,
                 lost,
-                self._redundancy(alive),
+                self._redundancy(alive, assessed),
                 self.policy,
                 rollback_all=failure.numerical,
             )
@@ -795,11 +856,12 @@ class Controller:
                 recovery = plan(
                     self.topology,
                     lost,
-                    self._redundancy(alive),
+                    self._redundancy(alive, assessed),
                     self.policy,
                     rollback_all=failure.numerical,
                 )
         moved += self._seed_mirrors()
+        embedding = self._note_partial(recovery, alive, assessed)
         t_transfer = time.perf_counter() - t0
 
         event = RecoveryEvent(
@@ -837,16 +899,52 @@ class Controller:
                 "transfer": t_transfer,
             },
             detail=self._failure_text(failure) + "\n" + recovery.describe(self.topology),
+            embedding=embedding,
         )
         self._pending_event = (event, time.time())
         self._failure = None
         self.step = recovery.resume_step
         self.phase = Phase.RUNNING
 
+    def _note_partial(
+        self, recovery: RecoveryPlan, alive: dict[int, int], assessed: dict[int, dict[str, int]]
+    ) -> dict[str, float] | None:
+        """Embedding tables: account the restore's lost samples (PLS); None for other jobs."""
+        if self.spec.tables is None:
+            return None
+        if recovery.strategy in (ROLLBACK, RESTART):
+            # The rolled-back steps, and the partial restores in them, are gone.
+            self._accepted = [(c, s) for c, s in self._accepted if c < recovery.resume_step]
+            return None
+        restored = {a.rank for a in recovery.actions}
+        used = {r: a for r, a in assessed.items() if r in restored}
+        lost, pls = self._pls(alive, used)
+        self._accepted.append((recovery.resume_step, lost))
+        return {
+            "rows_exact": sum(a["rows_exact"] for a in used.values()),
+            "rows_stale": sum(a["rows_stale"] for a in used.values()),
+            "lost_samples": lost,
+            "pls_job": pls,
+        }
+
+    def mirror_costs(self) -> dict[str, float]:
+        """Embedding tables: mirror memory and update traffic per worker (averages)."""
+        if self.spec.tables is None or not self.members:
+            return {}
+        costs = self._call(
+            {rank: m.actor for rank, m in self.members.items()},
+            "mirror_costs",
+            timeout_s=60.0,
+            what="collect mirror costs",
+        )
+        keys = next(iter(costs.values())).keys()
+        return {k: sum(c[k] for c in costs.values()) / len(costs) for k in keys}
+
     def _seed_mirrors(self) -> int:
-        """ZeRO-1: after any recovery every worker re-seeds its holder's mirror (the holder
-        may be new, or hold a copy from before a rollback). Returns bytes moved."""
-        if not self.spec.shard_optimizer:
+        """Sharded state (ZeRO-1, embedding tables): at the start and after any recovery
+        every worker re-seeds its holder's mirror with a full copy (the holder may be new,
+        or hold a copy from before a rollback). Returns bytes moved."""
+        if not (self.spec.shard_optimizer or self.spec.tables is not None):
             return 0
         sent = self._call(
             {rank: m.actor for rank, m in self.members.items()},
@@ -881,7 +979,7 @@ class Controller:
         self._call(
             {rank: a for rank, (a, _) in actors.items()},
             "setup",
-            lambda rank: (self.spec, self.topology, rank, self.config.backend),
+            self._setup_args,
             timeout_s=self.config.start_timeout_s,
             what="build replacement stages",
         )
@@ -924,7 +1022,7 @@ class Controller:
             for dst in dsts:
                 refs[(dst, "copy")] = self.members[dst].actor.recv_state.remote(src)
         for action in recovery.actions:
-            if action.strategy == SHARD_MIRROR:
+            if action.strategy in (SHARD_MIRROR, EMBEDDING_PARTIAL):
                 (holder,) = action.sources
                 refs[(holder, f"send{action.rank}")] = self.members[
                     holder
@@ -945,7 +1043,7 @@ class Controller:
         steps = {
             got[(a.rank, "copy")][0]
             for a in recovery.actions
-            if a.strategy in (REPLICA_COPY, SHARD_MIRROR)
+            if a.strategy in (REPLICA_COPY, SHARD_MIRROR, EMBEDDING_PARTIAL)
         }
         assert steps <= {recovery.resume_step}, (steps, recovery.resume_step)
         for action in recovery.actions:  # a rebuilt stage has no gradient history yet

@@ -46,6 +46,9 @@ class RecoveryEvent:
     """For rollbacks: the snapshot tier restored from."""
     detail: str = ""
     """The errors the workers reported, and the plan, for the record."""
+    embedding: dict[str, float] | None = None
+    """Embedding tables: rows restored exact and stale, samples whose updates were lost,
+    and the job's portion of lost samples (PLS) after this event."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

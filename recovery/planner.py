@@ -68,6 +68,12 @@ class Redundancy:
     """Rank -> the rank that mirrors its shard, for jobs whose state is sharded (ZeRO-1,
     embedding tables): such a worker can only come back from its mirror (or a rollback).
     Empty: nothing is sharded."""
+    mirror_stale: Mapping[int, bool] = field(default_factory=dict)
+    """Rank -> whether some rows of its mirrored (embedding) shard are not current: a
+    restore from that mirror is partial. Missing: the mirror is exact."""
+    pls: float = 0.0
+    """The job's portion of lost samples if every partial restore of this failure is
+    accepted (see recovery/strategies/embedding.py)."""
 
 
 @dataclass(frozen=True)
@@ -161,15 +167,15 @@ def plan(
             if not targets:
                 continue
             if redundancy.mirror_holder:
-                stage_actions = _from_mirrors(targets, redundancy.mirror_holder, current, policy)
+                stage_actions = _from_mirrors(targets, redundancy, current, policy)
             else:
-                stage_actions = _exact(
-                    topology, stage, targets, current, policy
-                ) or _approximate(topology, stage, targets, current, dead_stages, policy)
+                stage_actions = _exact(topology, stage, targets, current, policy) or _approximate(
+                    topology, stage, targets, current, dead_stages, policy
+                )
             if stage_actions:
                 actions.extend(stage_actions)
             elif redundancy.mirror_holder:
-                unplanned.append(_why_mirror(topology, targets, redundancy.mirror_holder, current))
+                unplanned.append(_why_mirror(topology, targets, redundancy, current, policy))
             else:
                 unplanned.append(_why(topology, stage, targets, dead_stages, policy))
     if not unplanned and not rollback_all:
@@ -198,28 +204,62 @@ def _exact(
     ]
 
 
+def _partial_allowed(redundancy: Redundancy, policy: RecoveryPolicy) -> bool:
+    """Whether stale rows may come back stale (CPR) rather than force a rollback."""
+    from recovery.strategies.embedding import decide
+
+    if policy.exact_only or not policy.allows(EMBEDDING_PARTIAL):
+        return False
+    return decide(policy.embedding, pls=redundancy.pls, budget=policy.pls_budget) == "partial"
+
+
 def _from_mirrors(
-    targets: list[int], holders: Mapping[int, int], current: set[int], policy: RecoveryPolicy
+    targets: list[int], redundancy: Redundancy, current: set[int], policy: RecoveryPolicy
 ) -> list[Action]:
-    """Each lost shard from the live, current worker that mirrors it; [] if any has none."""
-    if not policy.allows(SHARD_MIRROR):
-        return []
-    if any(holders.get(t) not in current for t in targets):
-        return []
-    return [Action(rank=t, strategy=SHARD_MIRROR, sources=(holders[t],)) for t in targets]
+    """Each lost shard from the live, current worker that mirrors it: ``shard_mirror`` if
+    the mirror is exact, ``embedding_partial`` if some rows are stale and the policy
+    accepts that; [] if any target cannot come back this way."""
+    holders = redundancy.mirror_holder
+    actions = []
+    for t in targets:
+        if holders.get(t) not in current:
+            return []
+        if redundancy.mirror_stale.get(t, False):
+            if not _partial_allowed(redundancy, policy):
+                return []
+            actions.append(Action(rank=t, strategy=EMBEDDING_PARTIAL, sources=(holders[t],)))
+        elif policy.allows(SHARD_MIRROR):
+            actions.append(Action(rank=t, strategy=SHARD_MIRROR, sources=(holders[t],)))
+        else:
+            return []
+    return actions
 
 
 def _why_mirror(
-    topology: Topology, targets: list[int], holders: Mapping[int, int], current: set[int]
+    topology: Topology,
+    targets: list[int],
+    redundancy: Redundancy,
+    current: set[int],
+    policy: RecoveryPolicy,
 ) -> str:
+    holders = redundancy.mirror_holder
     gone = [t for t in targets if holders.get(t) not in current]
-    if not gone:
-        return "the policy does not allow shard_mirror"
-    return "; ".join(
-        f"the shard of {topology.worker(t)} is lost with its mirror on "
-        f"{topology.worker(holders[t]) if t in holders else 'nobody'}"
-        for t in gone
-    )
+    if gone:
+        return "; ".join(
+            f"the shard of {topology.worker(t)} is lost with its mirror on "
+            f"{topology.worker(holders[t]) if t in holders else 'nobody'}"
+            for t in gone
+        )
+    stale = [str(topology.worker(t)) for t in targets if redundancy.mirror_stale.get(t, False)]
+    if stale and not _partial_allowed(redundancy, policy):
+        why = (
+            f"a portion of lost samples of {redundancy.pls:.4f} exceeds pls_budget "
+            f"{policy.pls_budget}"
+            if policy.embedding == "partial" and not policy.exact_only
+            else f"the policy (embedding={policy.embedding!r}) demands exact rows"
+        )
+        return f"the mirrors of {', '.join(stale)} hold stale rows and {why}"
+    return "the policy does not allow shard_mirror"
 
 
 def _live_replica(topology: Topology, stage: int, current: set[int], index: int) -> int | None:
@@ -318,7 +358,11 @@ def _rollback(
             )
             actions.append(Action(rank=rank, strategy=ROLLBACK, sources=(holders[0],)))
         return RecoveryPlan(
-            tuple(actions), resume_step=peer, lost=tuple(sorted(lost)), tier=PEER_TIER, reason=reason
+            tuple(actions),
+            resume_step=peer,
+            lost=tuple(sorted(lost)),
+            tier=PEER_TIER,
+            reason=reason,
         )
     assert durable is not None
     actions = [Action(rank=r, strategy=ROLLBACK) for r in range(topology.world_size)]

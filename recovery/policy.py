@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from recovery.strategies.checkfree import CheckFreeConfig
+    from recovery.strategies.embedding import MirrorPlan
 
 STRATEGIES = ("auto", "restart")
 APPROXIMATIONS = (None, "checkfree", "checkfree+")
@@ -79,6 +80,19 @@ class RecoveryPolicy:
     replaced. Must exceed the slowest healthy step."""
     max_recoveries: int | None = None
     """Give up (``RecoveryError``) after this many recoveries; None: never."""
+    embedding: str = "partial"
+    """Embedding tables (`TrainSpec.dlrm`): how a lost shard may come back when some of its
+    rows have no current copy. ``"partial"`` (CPR): restore those rows stale from the
+    mirror's last full copy while the portion of lost samples stays within
+    ``pls_budget``, survivors keep training; ``"exact"``: roll back instead."""
+    pls_budget: float = 0.05
+    """The job's portion of lost samples (PLS) that ``embedding="partial"`` accepts."""
+    mirror_hot_rows: int = 1024
+    """Embedding tables: the most frequently used rows of each shard mirrored on the ring
+    neighbour after every step."""
+    mirror_every: int = 10
+    """Embedding tables: every row of each shard mirrored after every this many steps
+    (1: every step, which makes every restore exact)."""
     checkpoint_every: int = 50
     """``restart`` only: write a checkpoint (torch.distributed.checkpoint) every this many steps."""
     checkpoint_dir: str | os.PathLike[str] | None = None
@@ -117,6 +131,27 @@ class RecoveryPolicy:
             not isinstance(self.max_recoveries, int) or self.max_recoveries < 0
         ):
             raise ValueError(f"max_recoveries must be >= 0 or None, got {self.max_recoveries!r}")
+        from recovery.strategies.embedding import EMBEDDING_POLICIES
+
+        if self.embedding not in EMBEDDING_POLICIES:
+            raise ValueError(
+                f"embedding must be one of {EMBEDDING_POLICIES}, got {self.embedding!r}"
+            )
+        if not (
+            isinstance(self.pls_budget, int | float)
+            and not isinstance(self.pls_budget, bool)
+            and 0 <= self.pls_budget <= 1
+        ):
+            raise ValueError(f"pls_budget must be in [0, 1], got {self.pls_budget!r}")
+        if (
+            isinstance(self.mirror_hot_rows, bool)
+            or not isinstance(self.mirror_hot_rows, int)
+            or self.mirror_hot_rows < 0
+        ):
+            raise ValueError(
+                f"mirror_hot_rows must be a non-negative integer, got {self.mirror_hot_rows!r}"
+            )
+        _positive_int("mirror_every", self.mirror_every)
         _positive_int("checkpoint_every", self.checkpoint_every)
         _positive_int("snapshot_every", self.snapshot_every, optional=True)
         _positive_int("durable_every", self.durable_every, optional=True)
@@ -125,6 +160,13 @@ class RecoveryPolicy:
     def allows(self, strategy: str) -> bool:
         """Whether the planner may use ``strategy``."""
         return self.allowed is None or strategy in self.allowed
+
+    @property
+    def mirror_plan(self) -> MirrorPlan:
+        """What each embedding shard's owner sends its mirror after every step."""
+        from recovery.strategies.embedding import MirrorPlan
+
+        return MirrorPlan(hot_rows=self.mirror_hot_rows, mirror_every=self.mirror_every)
 
     @property
     def swapped_routes(self) -> bool:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
 
 from parallelism.engine import call_stage, clip_gradients
 from parallelism.seeding import seed_everything
-from recovery.spec import TrainSpec, apply_lr_schedule
+from recovery.spec import Batch, TrainSpec, apply_lr_schedule
 
 
 @dataclass
@@ -48,13 +49,18 @@ def train_reference(
     With ``accumulate=k`` the global batch runs as k equal chunks whose gradients add up
     (gradient accumulation: the same arithmetic shapes as k microbatches).
     """
+    if spec.tables is not None:
+        raise ValueError(
+            "the pipeline reference does not train sharded tables; "
+            "parallelism.dlrm.DLRM is their single-process reference"
+        )
     modules = [spec.build(s, stages) for s in range(stages)]
     optimizers = [spec.make_optimizer(m.parameters()) for m in modules]
     base_lrs = [[g["lr"] for g in opt.param_groups] for opt in optimizers]
     result = ReferenceResult(losses=[], states=[])
     for step in range(steps):
         start = time.perf_counter()
-        batches = [spec.batches(step, r, replicas) for r in range(replicas)]
+        batches = [cast(Batch, spec.batches(step, r, replicas)) for r in range(replicas)]
         inputs = torch.cat([b[0] for b in batches])
         targets = torch.cat([b[1] for b in batches])
         for opt in optimizers:

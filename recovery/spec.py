@@ -5,7 +5,8 @@ workers (so it must be picklable -- module-level functions, ``functools.partial`
 closures over picklable values all work) and must be deterministic: the runtime relies on
 ``batches(step, replica, num_replicas)`` returning the same tensors every time it is asked,
 which is what lets a rebuilt worker resume exactly where the lost one stopped.
-`TrainSpec.llama` gives a ready-made workload: a LLaMA-style decoder on real text.
+`TrainSpec.llama` gives a ready-made workload: a LLaMA-style decoder on real text;
+`TrainSpec.dlrm` a recommendation model whose embedding tables are sharded over the workers.
 """
 
 from __future__ import annotations
@@ -19,12 +20,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from parallelism.clicks import ClickBatch
+from parallelism.dlrm import DLRMTraining
 from parallelism.schedule import SCHEDULES
 from parallelism.seeding import seed_everything
 from parallelism.topology import Topology
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-BatchFn = Callable[[int, int, int], Batch]
+BatchFn = Callable[[int, int, int], Batch | ClickBatch]
+"""``(step, replica, num_replicas) -> batch``: (inputs, targets), or a `ClickBatch` for a
+model with sharded tables."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +78,11 @@ class TrainSpec:
     """ZeRO-1: shard each stage's optimizer state over its replicas, every shard mirrored
     on the ring neighbour (see parallelism/zero.py). Needs at least 2 replicas; a lost
     replica's shard comes back bit-exact from the mirror (``shard_mirror``)."""
+    tables: DLRMTraining | None = None
+    """A recommendation model with row-sharded embedding tables (`TrainSpec.dlrm`): every
+    worker holds one shard of every table and a replica of the dense part; the topology
+    is one stage by ``replicas`` workers; ``batches`` returns a
+    `parallelism.clicks.ClickBatch`. None: a pipeline of ``build_stage`` modules."""
     name: str = "custom"
     """A short name for logs and summaries."""
 
@@ -123,7 +133,7 @@ class TrainSpec:
         return module
 
     def split(
-        self, batch: Batch, *, step: int, replica: int
+        self, batch: Batch | ClickBatch, *, step: int, replica: int
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Split a replica's batch into ``microbatches`` (inputs, targets) chunks.
 
@@ -160,6 +170,8 @@ class TrainSpec:
             ValueError: if the model cannot be cut into ``topology.stages`` stages or a
                 batch cannot be split into the microbatches.
         """
+        if self.tables is not None:
+            return self._check_tables(topology)
         if self.check_stages is not None:
             self.check_stages(topology.stages)
         if self.shard_optimizer and topology.replicas < 2:
@@ -175,6 +187,98 @@ class TrainSpec:
         if self.val_batches is not None:
             self.split(self.val_batches(0, 0, topology.replicas), step=0, replica=0)
         return sum(int(t.numel()) for t in targets) * topology.replicas
+
+    def _check_tables(self, topology: Topology) -> int:
+        from parallelism.dlrm import ShardLayout
+
+        assert self.tables is not None
+        if topology.stages != 1:
+            raise ValueError(
+                "a model with sharded embedding tables trains data-parallel with its tables "
+                f"row-sharded over all workers: use 1 stage (--stages 1), got {topology.stages}"
+            )
+        ShardLayout(self.tables.config.table_rows, topology.replicas)  # raises if too small
+        sizes: set[int] = set()
+        for fn in (self.batches, self.val_batches):
+            if fn is None:
+                continue
+            batch = fn(0, 0, topology.replicas)
+            if not isinstance(batch, ClickBatch):
+                raise ValueError(
+                    f"batches() of a DLRM must return a ClickBatch, got {type(batch).__name__}"
+                )
+            if batch.dense.shape[1] != self.tables.config.dense_features:
+                raise ValueError(
+                    f"batches have {batch.dense.shape[1]} dense features, the model "
+                    f"{self.tables.config.dense_features}"
+                )
+            sizes.add(len(batch))
+        return min(sizes) * topology.replicas
+
+    # -- ready-made workloads ------------------------------------------------------------
+
+    @classmethod
+    def dlrm(
+        cls,
+        *,
+        preset: str = "tiny",
+        data: str | os.PathLike[str] | None = None,
+        batch_size: int = 256,
+        sparse_lr: float = 0.05,
+        dense_lr: float = 1e-3,
+        seed: int = 0,
+        zipf_alpha: float = 1.05,
+        categorical: str = "hash",
+        **config_overrides: object,
+    ) -> TrainSpec:
+        """A DLRM-style recommendation model on click logs, its tables row-sharded.
+
+        Args:
+            preset: model size, ``"tiny"`` (tests) or ``"small"`` (387,500 rows, 8 tables).
+            data: a Criteo-format TSV file (see `parallelism.clicks.read_criteo`; the
+                model's tables must then number 26 with 13 dense features); by default
+                generated click logs with Zipf ids and a planted truth.
+            batch_size: samples per worker per step.
+            sparse_lr, dense_lr: row-wise Adagrad of the rows, Adam of the dense part.
+            categorical: how the Criteo file names rows, ``"hash"`` or ``"index"``.
+            config_overrides: fields of `parallelism.dlrm.DLRMConfig` to change.
+
+        Raises:
+            ValueError: for an unknown preset, a bad size, or a bad data file.
+        """
+        from parallelism.clicks import ClickDataset, ClickLogs, read_criteo
+        from parallelism.dlrm import DLRMConfig, dlrm_loss
+
+        config = DLRMConfig.preset(preset, **config_overrides)
+        source: ClickLogs | ClickDataset
+        if data is None:
+            source = ClickLogs(
+                config.table_rows,
+                dense_features=config.dense_features,
+                batch_size=batch_size,
+                seed=seed,
+                zipf_alpha=zipf_alpha,
+            )
+        else:
+            samples = read_criteo(
+                data,
+                config.table_rows,
+                categorical=categorical,
+                dense_features=config.dense_features,
+            )
+            source = ClickDataset(samples, batch_size=batch_size, seed=seed)
+        training = DLRMTraining(config, sparse_lr=sparse_lr, dense_lr=dense_lr)
+        return cls(
+            build_stage=functools.partial(_dense_stage, config),
+            loss_fn=dlrm_loss,
+            make_optimizer=functools.partial(torch.optim.Adam, lr=dense_lr),
+            batches=source,
+            val_batches=source.validation,
+            microbatches=1,
+            seed=seed,
+            tables=training,
+            name=f"dlrm-{preset}",
+        )
 
     # -- a ready-made workload -----------------------------------------------------------
 
@@ -265,6 +369,13 @@ class TrainSpec:
             + ("-checkfree+" if checkfree_plus else "")
             + ("-zero1" if shard_optimizer else ""),
         )
+
+
+def _dense_stage(config: object, stage: int, num_stages: int) -> nn.Module:
+    """The dense part of a DLRM (what ``build_stage`` names for a sharded-table model)."""
+    from parallelism.dlrm import DenseDLRM
+
+    return DenseDLRM(config)  # type: ignore[arg-type]
 
 
 def adamw(

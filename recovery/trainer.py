@@ -44,6 +44,9 @@ class FitResult:
     """Seconds training was blocked per kind of work: ``checkpoint_write`` (the restart
     baseline), ``snapshot_write`` (peer tier), ``durable_write`` (starting async writes)."""
     states: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict, repr=False)
+    mirrors: dict[str, float] = field(default_factory=dict)
+    """Embedding tables: what the shard mirrors cost per worker (bytes): the mirror's
+    memory, the shard's own size, and the update traffic per step."""
 
     @property
     def val_losses(self) -> list[tuple[int, float]]:
@@ -206,6 +209,7 @@ class Trainer:
             controller.run(steps)
             wall_s = time.perf_counter() - controller.started_at
             states = controller.states() if self.collect_states else {}
+            mirrors = controller.mirror_costs()
         finally:
             bar.close()
             controller.shutdown()
@@ -219,6 +223,7 @@ class Trainer:
             run_dir=run_dir.path if run_dir else None,
             timings=dict(controller.timings),
             states=states,
+            mirrors=mirrors,
         )
         if run_dir is not None:
             run_dir.write_json("summary.json", self._summary(result))

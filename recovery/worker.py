@@ -276,7 +276,7 @@ class StageWorker:
             )
         self._faults = [f for f in faults if isinstance(f, WorkerFault) and f.step == step]
         self._activity = ("step", time.time())
-        self.module.zero_grad(set_to_none=True)
+        self._drop_step()
         seed_everything(self.spec.seed, "step", self.stage, self.replica, step)
         inputs, targets = self._data(self.spec.batches, step, self.schedule)
         try:
@@ -316,7 +316,7 @@ class StageWorker:
 
     def abandon(self, step: int) -> None:
         """Drop the uncommitted gradients of ``step`` (it will be run again)."""
-        self.module.zero_grad(set_to_none=True)
+        self._drop_step()
 
     def evaluate(self, index: int) -> StepReport:
         """Forward-only pass over held-out batch ``index``; losses reported by last stages."""
@@ -353,6 +353,10 @@ class StageWorker:
         batch = fn(index, self.replica, self.topology.replicas)
         return self.spec.split(batch, step=index, replica=self.replica)
 
+    def _drop_step(self) -> None:
+        """Forget everything of the uncommitted step (its gradients)."""
+        self.module.zero_grad(set_to_none=True)
+
     def _failed(self, step: int, exc: Exception) -> StepReport:
         if is_comm_error(exc):
             # Another worker failed first and the step was aborted before this one's own
@@ -363,7 +367,7 @@ class StageWorker:
                     self._hook(fault.at.value)
         # Tear down first so that peers blocked on us fail fast (see parallelism/comm.py).
         self.leave()
-        self.module.zero_grad(set_to_none=True)
+        self._drop_step()
         if not is_comm_error(exc):
             raise exc
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
@@ -418,7 +422,7 @@ class StageWorker:
         Returns the committed step and what redundancy this worker holds (peer snapshots,
         finished durable writes), for the planner.
         """
-        self.module.zero_grad(set_to_none=True)
+        self._drop_step()
         self._faults = []
         self.leave()
         return self.flush_snapshots()  # let durable writes in flight land before anyone prunes

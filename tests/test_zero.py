@@ -111,6 +111,6 @@ def test_losing_a_replica_and_its_mirror_rolls_back(zero_oracle: FitResult) -> N
 def test_zero1_refuses_approximate_recovery() -> None:
     spec = dataclasses.replace(mlp_spec(), shard_optimizer=True)
     with pytest.raises(ValueError, match="approximate"):
-        Trainer(
-            spec, topology=Topology(3, 2), policy=RecoveryPolicy(approximate="checkfree")
-        ).fit(2)
+        Trainer(spec, topology=Topology(3, 2), policy=RecoveryPolicy(approximate="checkfree")).fit(
+            2
+        )

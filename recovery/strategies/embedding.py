@@ -73,6 +73,7 @@ __all__ = [
     "decide",
     "mirror_cost",
     "mirror_update",
+    "mirror_update_before_commit",
     "portion_of_lost_samples",
     "restore_shard",
 ]
@@ -252,6 +253,67 @@ def mirror_update(
         updated=updated.clone(),
         lookups=lookups.to(torch.int64).clone(),
         rows=rows,
+        weight=values,
+        accumulator=state,
+        full=full,
+    )
+
+
+def mirror_update_before_commit(
+    plan: MirrorPlan,
+    *,
+    shard: int,
+    committed: int,
+    weight: Tensor,
+    accumulator: Tensor,
+    counts: Tensor,
+    rows: Tensor,
+    grads: Tensor,
+    lookups: Tensor,
+    lr: float,
+    eps: float,
+) -> MirrorUpdate:
+    """The `mirror_update` the owner would send after committing a step, computed before
+    the commit from the step's pending row gradients (the runtime sends it in phase one,
+    so that the commit stays local; the holder applies it when the step commits).
+
+    Only the rows the update carries are computed, with the same row-wise Adagrad
+    (`parallelism.dlrm.rowwise_adagrad_`) the commit applies -- each row's update depends
+    on that row alone, so the values are bit-identical to the committed ones.
+
+    Args:
+        committed: the shard's committed steps once this step commits.
+        weight, accumulator: the shard's rows and row-wise state before the commit.
+        counts: the shard's lookup counts before this step (`MFUTracker.counts`).
+        rows, grads, lookups: the pending step's updated rows (unique, ascending), their
+            summed gradients and their lookups (`parallelism.dlrm.DLRMWorker.pending`).
+
+    Raises:
+        ValueError: if the shapes do not match.
+    """
+    from parallelism.dlrm import rowwise_adagrad_
+
+    n = int(weight.shape[0])
+    tracker = MFUTracker(n, counts)
+    tracker.observe(rows, lookups)
+    if grads.shape != (rows.numel(), weight.shape[1]):
+        raise ValueError(
+            f"grads {tuple(grads.shape)} must be [{rows.numel()}, {weight.shape[1]}] like rows"
+        )
+    full = plan.is_full(committed)
+    send = torch.arange(n) if full else tracker.hot(plan.hot_rows)
+    values = weight.detach()[send]
+    state = accumulator.detach()[send]
+    if send.numel() and rows.numel():
+        at = torch.searchsorted(send, rows).clamp(max=send.numel() - 1)
+        hit = send[at] == rows
+        rowwise_adagrad_(values, state, at[hit], grads[hit], lr=lr, eps=eps)
+    return MirrorUpdate(
+        shard=shard,
+        committed=committed,
+        updated=rows.clone(),
+        lookups=lookups.to(torch.int64).clone(),
+        rows=send,
         weight=values,
         accumulator=state,
         full=full,
