@@ -26,6 +26,7 @@ from recovery.strategies.embedding import (
     decide,
     mirror_cost,
     mirror_update,
+    mirror_update_before_commit,
     portion_of_lost_samples,
     restore_shard,
 )
@@ -246,6 +247,56 @@ def test_pls_matches_a_hand_count(
 
 
 # ---- the pieces ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("plan", [MirrorPlan(hot_rows=5, mirror_every=3), MirrorPlan()])
+def test_the_update_sent_before_commit_is_the_one_after_it(plan: MirrorPlan) -> None:
+    """The runtime sends a step's mirror update in phase one; it must carry exactly the
+    bits `mirror_update` reads off the shard after the commit."""
+    logs = ClickLogs(TINY.table_rows, dense_features=TINY.dense_features, batch_size=8, seed=4)
+    trainer = InProcessDLRM(TINY, workers=3, batches=logs)
+    trackers = [MFUTracker(w.shard.num_rows) for w in trainer.workers]
+    for step in range(5):
+        trainer.run_step(step)
+        before = []
+        for w, tracker in zip(trainer.workers, trackers, strict=True):
+            pending = w.pending
+            assert pending is not None
+            rows, grads, lookups = pending
+            before.append(
+                mirror_update_before_commit(
+                    plan,
+                    shard=w.rank,
+                    committed=step + 1,
+                    weight=w.shard.weight,
+                    accumulator=w.shard.accumulator,
+                    counts=tracker.counts,
+                    rows=rows,
+                    grads=grads,
+                    lookups=lookups,
+                    lr=w.sparse_lr,
+                    eps=w.eps,
+                )
+            )
+        updates = trainer.commit()
+        for w, tracker, update, early in zip(
+            trainer.workers, trackers, updates, before, strict=True
+        ):
+            tracker.observe(update.rows, update.lookups)
+            late = mirror_update(
+                plan,
+                shard=w.rank,
+                committed=step + 1,
+                weight=w.shard.weight,
+                accumulator=w.shard.accumulator,
+                tracker=tracker,
+                updated=update.rows,
+                lookups=update.lookups,
+            )
+            assert early.full == late.full and early.committed == late.committed
+            for name in ("updated", "lookups", "rows", "weight", "accumulator"):
+                assert torch.equal(getattr(early, name), getattr(late, name)), (step, name)
+    trainer.close()
 
 
 def test_mfu_tracker_names_the_hottest_rows() -> None:

@@ -187,3 +187,62 @@ def test_hierarchy_invariants(case) -> None:  # type: ignore[no-untyped-def]
             assert holder in alive and result.resume_step in redundancy.peer_held[holder][a.rank]
         else:
             assert a.rank in alive and result.resume_step in redundancy.peer_own[a.rank]
+
+
+# -- sharded state: ZeRO-1 optimizer shards and embedding-table shards ------------------------
+
+
+@st.composite
+def sharded_cases(draw: st.DrawFn):  # type: ignore[no-untyped-def]
+    top = Topology(draw(st.integers(1, 3)), draw(st.integers(2, 5)))
+    lost = draw(st.sets(st.integers(0, top.world_size - 1), min_size=1))
+    step = draw(st.integers(10, 100))
+    alive = {r: step for r in range(top.world_size) if r not in lost}
+    ring = {  # the next replica of the same stage mirrors each shard
+        top.rank(s, r): top.rank(s, (r + 1) % top.replicas)
+        for s in range(top.stages)
+        for r in range(top.replicas)
+    }
+    stale = {r: draw(st.booleans()) for r in lost}
+    redundancy = Redundancy(
+        alive=alive,
+        durable_steps=(step - 5,),
+        mirror_holder=ring,
+        mirror_stale=stale,
+        pls=draw(st.sampled_from([0.0, 0.01, 0.2])),
+    )
+    policy = RecoveryPolicy(
+        embedding=draw(st.sampled_from(["partial", "exact"])),
+        pls_budget=0.05,
+        exact_only=draw(st.booleans()),
+    )
+    return top, lost, redundancy, policy
+
+
+@settings(max_examples=200, deadline=None)
+@given(sharded_cases())
+def test_sharded_state_comes_back_from_its_mirror_or_everyone_rolls_back(case) -> None:  # type: ignore[no-untyped-def]
+    top, lost, redundancy, policy = case
+    partial_ok = not policy.exact_only and (
+        redundancy.pls == 0 if policy.embedding == "exact" else redundancy.pls <= 0.05
+    )
+    needs_rollback = any(
+        redundancy.mirror_holder[r] in lost or (redundancy.mirror_stale[r] and not partial_ok)
+        for r in lost
+    )
+    result = plan(top, lost, redundancy, policy)  # a durable snapshot: never exhausted
+    assert (result.strategy == "rollback") == needs_rollback
+    if needs_rollback:
+        assert result.reason and sorted(a.rank for a in result.actions) == list(
+            range(top.world_size)
+        )
+        return
+    assert sorted(a.rank for a in result.actions) == sorted(lost)
+    for a in result.actions:
+        assert a.sources == (redundancy.mirror_holder[a.rank],)
+        assert a.sources[0] not in lost  # never reads from a worker rebuilt in the same plan
+        expected = "embedding_partial" if redundancy.mirror_stale[a.rank] else "shard_mirror"
+        assert a.strategy == expected
+    assert result.exact == (not any(redundancy.mirror_stale[r] for r in lost))
+    if policy.exact_only:
+        assert result.exact
