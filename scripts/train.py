@@ -1,6 +1,9 @@
-"""Train a LLaMA-style model with pipeline x data parallelism on Ray, with failures injected.
+"""Train a LLaMA-style model with pipeline x data parallelism on Ray, with failures injected
+(or a DLRM recommendation model with its embedding tables sharded over the workers).
 
     python scripts/train.py                        # the default demo: 4x2, two workers killed
+    python scripts/train.py --zero1 --replicas 3   # ZeRO-1: optimizer shards mirrored on the ring
+    python scripts/train.py --model dlrm           # 4 workers, tables row-sharded, partial recovery
     python scripts/train.py --stages 2 --replicas 2 --steps 50 --failures none
     python scripts/train.py --failures "kill:step=20,stage=1,replica=0;poisson:rate=0.002"
     python scripts/train.py --replicas 1 --approximate checkfree --failures kill:step=100,stage=2,replica=0
@@ -33,8 +36,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     g = p.add_argument_group("layout")
-    g.add_argument("--stages", type=int, default=4, help="pipeline stages (default 4)")
-    g.add_argument("--replicas", type=int, default=2, help="data-parallel replicas (default 2)")
+    g.add_argument(
+        "--model",
+        choices=["llama", "dlrm"],
+        default="llama",
+        help="llama: a LLaMA-style decoder on text (default); dlrm: a recommendation model on "
+        "click logs, its embedding tables row-sharded over the workers (1 stage)",
+    )
+    g.add_argument("--stages", type=int, default=None, help="pipeline stages (default 4; dlrm: 1)")
+    g.add_argument(
+        "--replicas", type=int, default=None, help="data-parallel replicas (default 2; dlrm: 4)"
+    )
     g.add_argument(
         "--schedule", choices=["1f1b", "gpipe"], default="1f1b", help="pipeline schedule"
     )
@@ -44,8 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("model and data")
     g.add_argument(
         "--preset",
-        default="tiny",
-        help="model size preset: tiny, small (~25M), medium (default tiny)",
+        default=None,
+        help="model size preset: tiny, small (~25M), medium (default tiny); "
+        "dlrm: tiny or small (387,500 rows; the default)",
     )
     g.add_argument(
         "--dim", type=int, default=128, help="model width (overrides the preset; 0 keeps it)"
@@ -67,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="text/.bin/.npy file or folder of .txt (default: Python stdlib source)",
     )
+    g.add_argument("--batch-size", type=int, default=256, help="dlrm: samples per worker per step")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
     g.add_argument("--warmup", type=int, default=20, help="linear warmup steps")
     g.add_argument("--seed", type=int, default=0, help="seed for weights and data")
@@ -114,6 +128,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "command with the same --out resumes from the newest one (0: off)",
     )
     g.add_argument(
+        "--zero1",
+        action="store_true",
+        help="shard each stage's optimizer state over its replicas (ZeRO-1), every shard "
+        "mirrored on the next replica; needs --replicas >= 2",
+    )
+    g.add_argument(
+        "--embedding",
+        choices=["partial", "exact"],
+        default="partial",
+        help="dlrm: restore a lost shard's stale rows within --pls-budget (partial, CPR) or "
+        "roll back whenever a row is stale (exact)",
+    )
+    g.add_argument(
+        "--pls-budget", type=float, default=0.05, help="dlrm: portion of lost samples accepted"
+    )
+    g.add_argument(
+        "--mirror-hot-rows",
+        type=int,
+        default=1024,
+        help="dlrm: most-used rows per shard mirrored every step",
+    )
+    g.add_argument(
+        "--mirror-every",
+        type=int,
+        default=10,
+        help="dlrm: every row mirrored every N steps (1: all exact)",
+    )
+    g.add_argument(
         "--checkpoint-every",
         type=int,
         default=50,
@@ -131,27 +173,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    overrides = {
-        name: value
-        for name, value in (("dim", args.dim), ("n_layers", args.layers), ("n_heads", args.heads))
-        if value
-    }
-    overrides["max_seq_len"] = max(args.seq_len, 1)
-    spec = TrainSpec.llama(
-        preset=args.preset,
-        data=args.data,
-        seq_len=args.seq_len,
-        microbatch_size=args.microbatch_size,
-        microbatches=args.microbatches,
-        lr=args.lr,
-        warmup_steps=args.warmup,
-        schedule=args.schedule,
-        seed=args.seed,
-        checkfree_plus=args.approximate == "checkfree+",
-        **overrides,
+    dlrm = args.model == "dlrm"
+    overrides: dict[str, int] = {}
+    if dlrm:
+        spec = TrainSpec.dlrm(
+            preset=args.preset or "small",
+            data=args.data,
+            batch_size=args.batch_size,
+            seed=args.seed,
+        )
+    else:
+        overrides = {
+            name: value
+            for name, value in (
+                ("dim", args.dim),
+                ("n_layers", args.layers),
+                ("n_heads", args.heads),
+            )
+            if value
+        }
+        overrides["max_seq_len"] = max(args.seq_len, 1)
+        spec = TrainSpec.llama(
+            preset=args.preset or "tiny",
+            data=args.data,
+            seq_len=args.seq_len,
+            microbatch_size=args.microbatch_size,
+            microbatches=args.microbatches,
+            lr=args.lr,
+            warmup_steps=args.warmup,
+            schedule=args.schedule,
+            seed=args.seed,
+            checkfree_plus=args.approximate == "checkfree+",
+            shard_optimizer=args.zero1,
+            **overrides,
+        )
+    topology = Topology(
+        stages=args.stages or (1 if dlrm else 4),
+        replicas=args.replicas or (4 if dlrm else 2),
     )
-    topology = Topology(stages=args.stages, replicas=args.replicas)
-    failures = _failures(args.failures, topology, args.steps)
+    # dlrm: strike between two full mirrors, where some rows of a lost shard are stale.
+    failures = _failures(args.failures, topology, args.steps, offset=5 if dlrm else 0)
     policy = RecoveryPolicy(
         strategy=args.strategy,
         hot_spares=args.hot_spares,
@@ -161,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         exact_only=args.exact_only,
         snapshot_every=args.snapshot_every or None,
         durable_every=args.durable_every or None,
+        embedding=args.embedding,
+        pls_budget=args.pls_budget,
+        mirror_hot_rows=args.mirror_hot_rows,
+        mirror_every=args.mirror_every,
     )
     run_dir = RunDir(args.out) if args.out else RunDir.new("runs", "train")
     trainer = Trainer(
@@ -184,16 +249,31 @@ def main(argv: list[str] | None = None) -> int:
     print(f"loss {first:.3f} -> {last:.3f} (mean of last 10) in {len(result.losses)} steps")
     if result.val_losses:
         print(f"validation loss {result.val_losses[-1][1]:.3f} at step {result.val_losses[-1][0]}")
+    if result.mirrors:
+        m = result.mirrors
+        print(
+            f"shard mirrors per worker: {m['mirror_memory_bytes'] / 1e6:.2f} MB held "
+            f"(the shard itself: {m['shard_bytes'] / 1e6:.2f} MB), "
+            f"{m['update_bytes_per_step'] / 1e3:.1f} kB sent per step"
+        )
     print(
         f"{result.steps_per_s:.2f} steps/s, startup {result.startup_s:.1f} s, total {total:.1f} s; "
         f"plot: {run_dir.file('loss.png')}"
     )
     print("\nrecoveries:")
     print(summary_table(result.events))
+    for event in result.events:
+        if event.embedding:
+            e = event.embedding
+            print(
+                f"step {event.step}: {e['rows_exact']:.0f} rows restored exact, "
+                f"{e['rows_stale']:.0f} stale; {e['lost_samples']:.1f} samples' updates lost, "
+                f"job PLS {e['pls_job']:.2e}"
+            )
     return 0
 
 
-def _failures(text: str, topology: Topology, steps: int) -> FailureSchedule:
+def _failures(text: str, topology: Topology, steps: int, offset: int = 0) -> FailureSchedule:
     if text != "auto":
         return FailureSchedule.parse(text, topology=topology, steps=steps)
     faults = []
@@ -201,8 +281,10 @@ def _failures(text: str, topology: Topology, steps: int) -> FailureSchedule:
         first = (min(1, topology.stages - 1), 0, KillPoint.MID_PIPELINE)
         second = (min(2, topology.stages - 1), 1, KillPoint.DURING_ALLREDUCE)
         for (stage, replica, at), step in zip(
-            (first, second), (steps // 3, 2 * steps // 3), strict=True
+            (first, second), (steps // 3 + offset, 2 * steps // 3 + offset), strict=True
         ):
+            if step >= steps:
+                continue
             faults.append(Kill(step=step, stage=stage, replica=replica, at=at))
     return FailureSchedule(faults)
 

@@ -46,6 +46,27 @@ def test_train_script_on_embedded_local_ray(
 
 
 @pytest.mark.ray
+@pytest.mark.usefixtures("ray_local")
+def test_train_script_dlrm_recovers_a_shard_partially(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import train
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    args = ["--model", "dlrm", "--preset", "tiny", "--batch-size", "16", "--steps", "9",
+            "--failures", "kill:step=7,stage=0,replica=2", "--mirror-every", "5",
+            "--mirror-hot-rows", "2", "--pls-budget", "1", "--eval-every", "3",
+            "--no-progress", "--out", str(tmp_path / "run")]  # fmt: skip
+    assert train.main(args) == 0
+    out = capsys.readouterr().out
+    assert "embedding_partial" in out and "stale" in out and "shard mirrors per worker" in out
+    event = json.loads((tmp_path / "run" / "events.jsonl").read_text().splitlines()[0])
+    assert event["embedding"]["rows_stale"] > 0 and event["lost_steps"] == 0
+
+
+@pytest.mark.ray
 @pytest.mark.timeout(600)
 def test_ray_job_submit_of_the_train_script(tmp_path: Path) -> None:
     """`ray start --head` on 127.0.0.1, `ray job submit` of scripts/train.py, `ray stop`."""
