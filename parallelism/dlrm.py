@@ -76,9 +76,11 @@ __all__ = [
     "ShardLayout",
     "StepLoss",
     "StepUpdate",
+    "assemble_tables",
     "dlrm_loss",
     "init_table_rows",
     "log_loss",
+    "predict_unsharded",
     "roc_auc",
     "route_lookups",
     "rowwise_adagrad_",
@@ -998,25 +1000,11 @@ class InProcessDLRM:
 
     def tables(self) -> list[Tensor]:
         """The full tables, assembled from the shards (copies)."""
-        out = []
-        for t in range(self.layout.num_tables):
-            parts = []
-            for worker in self.workers:
-                start, stop = self.layout.shard_rows(worker.rank)[t]
-                offset = self.layout.offsets(worker.rank)[t]
-                parts.append(worker.shard.weight.detach()[offset : offset + stop - start])
-            out.append(torch.cat(parts))
-        return out
+        return assemble_tables(self.layout, [w.shard.weight.detach() for w in self.workers])
 
     def predict(self, batch: ClickBatch, *, chunk: int = 8192) -> Tensor:
         """Logits of ``batch`` from the full tables and worker 0's dense replica."""
-        tables = self.tables()
-        outs = []
-        with torch.no_grad():
-            for part in batch.chunk(max(1, math.ceil(len(batch) / chunk))):
-                emb = torch.stack([tab[part.sparse[:, t]] for t, tab in enumerate(tables)], dim=1)
-                outs.append(self.workers[0].dense(part.dense, emb))
-        return torch.cat(outs)
+        return predict_unsharded(self.workers[0].dense, self.tables(), batch, chunk=chunk)
 
     def evaluate(self, batch: ClickBatch) -> tuple[float, float]:
         """``(AUC, log loss)`` on a held-out batch."""
@@ -1025,6 +1013,42 @@ class InProcessDLRM:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def assemble_tables(layout: ShardLayout, shards: Sequence[Tensor]) -> list[Tensor]:
+    """The full tables from every shard's ``weight`` (in shard order), as copies.
+
+    Raises:
+        ValueError: if the number or shapes of the shards do not match the layout.
+    """
+    if len(shards) != layout.num_shards:
+        raise ValueError(f"{len(shards)} shards given, the layout has {layout.num_shards}")
+    for shard, weight in enumerate(shards):
+        if weight.dim() != 2 or weight.shape[0] != layout.shard_size(shard):
+            raise ValueError(
+                f"shard {shard} is {tuple(weight.shape)}, expected {layout.shard_size(shard)} rows"
+            )
+    out = []
+    for t in range(layout.num_tables):
+        parts = []
+        for shard, weight in enumerate(shards):
+            start, stop = layout.shard_rows(shard)[t]
+            offset = layout.offsets(shard)[t]
+            parts.append(weight[offset : offset + stop - start])
+        out.append(torch.cat(parts))
+    return out
+
+
+def predict_unsharded(
+    dense: nn.Module, tables: Sequence[Tensor], batch: ClickBatch, *, chunk: int = 8192
+) -> Tensor:
+    """Logits of ``batch`` from full tables and a dense replica, in chunks (no gradients)."""
+    outs = []
+    with torch.no_grad():
+        for part in batch.chunk(max(1, math.ceil(len(batch) / chunk))):
+            emb = torch.stack([tab[part.sparse[:, t]] for t, tab in enumerate(tables)], dim=1)
+            outs.append(dense(part.dense, emb))
+    return torch.cat(outs)
 
 
 # ---- metrics ---------------------------------------------------------------------------

@@ -860,7 +860,7 @@ class Controller:
                     self.policy,
                     rollback_all=failure.numerical,
                 )
-        moved += self._seed_mirrors()
+        moved += self._seed_mirrors(recovery)
         embedding = self._note_partial(recovery, alive, assessed)
         t_transfer = time.perf_counter() - t0
 
@@ -920,10 +920,12 @@ class Controller:
         used = {r: a for r, a in assessed.items() if r in restored}
         lost, pls = self._pls(alive, used)
         self._accepted.append((recovery.resume_step, lost))
+        samples = max(alive.values(), default=0) * self.tokens_per_step
         return {
             "rows_exact": sum(a["rows_exact"] for a in used.values()),
             "rows_stale": sum(a["rows_stale"] for a in used.values()),
             "lost_samples": lost,
+            "pls_event": lost / samples if samples else 0.0,
             "pls_job": pls,
         }
 
@@ -940,17 +942,39 @@ class Controller:
         keys = next(iter(costs.values())).keys()
         return {k: sum(c[k] for c in costs.values()) / len(costs) for k in keys}
 
-    def _seed_mirrors(self) -> int:
-        """Sharded state (ZeRO-1, embedding tables): at the start and after any recovery
-        every worker re-seeds its holder's mirror with a full copy (the holder may be new,
-        or hold a copy from before a rollback). Returns bytes moved."""
+    def _seed_mirrors(self, recovery: RecoveryPlan | None = None) -> int:
+        """Sharded state (ZeRO-1, embedding tables): at the start and after a recovery,
+        seed the holders' mirrors with full copies. Returns bytes moved.
+
+        After a rollback (or the start) every mirror is re-seeded: the copies are from
+        another timeline. After a ZeRO-1 ``shard_mirror`` recovery only the replacements
+        need one -- the ring is fixed and every other mirror is still current -- so each
+        replacement's ward sends it its shard. Embedding tables re-seed everyone: their
+        ring follows the nodes and may have changed with the replacements.
+        """
         if not (self.spec.shard_optimizer or self.spec.tables is not None):
             return 0
+        actors = {rank: m.actor for rank, m in self.members.items()}
+        targeted = (
+            self.spec.shard_optimizer and recovery is not None and recovery.strategy == SHARD_MIRROR
+        )
+        if targeted:
+            assert recovery is not None
+            t = self.topology
+            flags: dict[int, tuple[bool, bool]] = {}
+            for action in recovery.actions:
+                stage, replica = t.worker(action.rank).stage, t.worker(action.rank).replica
+                ward = t.rank(stage, (replica - 1) % t.replicas)
+                assert ward not in {a.rank for a in recovery.actions}, "planner invariant"
+                flags[ward] = (True, False)
+                flags[action.rank] = (False, True)
+            actors = {rank: actors[rank] for rank in flags}
         sent = self._call(
-            {rank: m.actor for rank, m in self.members.items()},
+            actors,
             "seed_mirror",
+            (lambda rank: flags[rank]) if targeted else None,
             timeout_s=self.config.start_timeout_s,
-            what="seed the optimizer-shard mirrors",
+            what="seed the shard mirrors",
         )
         return sum(int(v) for v in sent.values())
 

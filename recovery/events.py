@@ -47,8 +47,9 @@ class RecoveryEvent:
     detail: str = ""
     """The errors the workers reported, and the plan, for the record."""
     embedding: dict[str, float] | None = None
-    """Embedding tables: rows restored exact and stale, samples whose updates were lost,
-    and the job's portion of lost samples (PLS) after this event."""
+    """Embedding tables (a restore from a shard mirror): ``rows_exact``, ``rows_stale``,
+    ``lost_samples`` (samples whose updates were lost), ``pls_event`` (those over the
+    samples trained) and ``pls_job`` (the job's portion of lost samples after this event)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -295,25 +295,30 @@ class TableWorker(StageWorker):
         out = torch.empty(n, dtype=dtype)
         return self.comm.recv(out, src) if n else out
 
-    def seed_mirror(self) -> int:
-        """Send the holder a full copy of this shard; take one of the ward's. Returns bytes."""
+    def seed_mirror(self, send: bool = True, receive: bool = True) -> int:
+        """Send the holder a full copy of this shard (``send``); take one of the ward's
+        (``receive``). Returns bytes sent."""
         if self.buddy is None or self.ward is None or self.buddy == self.rank:
             self.mirror = None
             return 0
         assert self.comm is not None
         shard = self.table.shard
         mine = (shard.weight.detach(), shard.accumulator, self.tracker.counts)
-        self.comm.isend(torch.tensor([self.step]), self.buddy)
-        for t in mine:
-            self.comm.isend(t, self.buddy)
-        rows = self.table.layout.shard_size(self.ward)
-        step = int(self.comm.recv(torch.empty(1, dtype=torch.int64), self.ward))
-        weight = self.comm.recv(torch.empty(rows, shard.weight.shape[1]), self.ward)
-        accumulator = self.comm.recv(torch.empty(rows), self.ward)
-        counts = self.comm.recv(torch.empty(rows, dtype=torch.int64), self.ward)
+        if send:
+            self.comm.isend(torch.tensor([self.step]), self.buddy)
+            for t in mine:
+                self.comm.isend(t, self.buddy)
+        if receive:
+            rows = self.table.layout.shard_size(self.ward)
+            step = int(self.comm.recv(torch.empty(1, dtype=torch.int64), self.ward))
+            weight = self.comm.recv(torch.empty(rows, shard.weight.shape[1]), self.ward)
+            accumulator = self.comm.recv(torch.empty(rows), self.ward)
+            counts = self.comm.recv(torch.empty(rows, dtype=torch.int64), self.ward)
+            self.mirror = ShardCopy.take(
+                self.ward, weight, accumulator, committed=step, lookups=counts
+            )
         self.comm.wait_sends()
-        self.mirror = ShardCopy.take(self.ward, weight, accumulator, committed=step, lookups=counts)
-        return sum(t.numel() * t.element_size() for t in mine)
+        return sum(t.numel() * t.element_size() for t in mine) if send else 0
 
     def assess_mirror(self, ward: int) -> dict[str, int]:
         """What restoring ``ward``'s shard from this worker's mirror would give (nothing is

@@ -599,16 +599,19 @@ class StageWorker:
         self.zero.synced = False
         return self.step, received
 
-    def seed_mirror(self) -> int:
-        """Send this worker's shard to its holder and take a fresh mirror of its ward's
-        (after a recovery: the holders' copies may be gone or from before a rollback).
-        Returns bytes sent."""
+    def seed_mirror(self, send: bool = True, receive: bool = True) -> int:
+        """Send this worker's shard to its holder (``send``) and take a fresh mirror of its
+        ward's (``receive``): after a recovery the holders' copies may be gone or from
+        before a rollback. Returns bytes sent."""
         assert self.comm is not None and self.zero is not None
         zero = self.zero
         holder = self.topology.rank(self.stage, zero.holder)
         ward = self.topology.rank(self.stage, zero.ward)
-        sent = send_state(self.comm, holder, zero.owned, self.optimizer, self.step, wait=False)
-        recv_state(self.comm, ward, zero.mirror, zero.mirror_optimizer)
+        sent = 0
+        if send:
+            sent = send_state(self.comm, holder, zero.owned, self.optimizer, self.step, wait=False)
+        if receive:
+            recv_state(self.comm, ward, zero.mirror, zero.mirror_optimizer)
         self.comm.wait_sends()
         return sent
 

@@ -3,6 +3,7 @@
     python scripts/bench.py throughput     # framework overhead and pipeline bubbles
     python scripts/bench.py recovery       # kill -> first committed step: replica_copy vs restart
     python scripts/bench.py snapshots      # failure-free cost of peer and durable snapshots
+    python scripts/bench.py zero           # ZeRO-1 with mirrored shards vs unsharded AdamW
 
 Every figure is measured by this run on this machine; nothing is copied from elsewhere.
 """
@@ -215,6 +216,101 @@ def snapshots(args: argparse.Namespace) -> None:
         " runs of all configurations are interleaved so that drift in the machine's speed"
         " hits them alike. Driver blocked = seconds the controller waited on snapshot or"
         " checkpoint work in the run."
+    )
+
+
+def _tensor_bytes(obj: object) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size() if obj.dim() > 0 else 0
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def zero(args: argparse.Namespace) -> None:
+    """ZeRO-1 (optimizer shards mirrored on the next replica) against unsharded AdamW:
+    failure-free speed, optimizer memory per worker, and the recovery of one lost worker."""
+    import dataclasses
+
+    from recovery.faults import FailureSchedule, Kill, KillPoint
+
+    top = Topology(args.stages, args.replicas)
+    plain = model_spec(args)
+    sharded = dataclasses.replace(plain, shard_optimizer=True, name=plain.name + "-zero1")
+    warm = 5
+    print(f"machine: {machine()}")
+    print(
+        f"model: {plain.name} dim={args.dim} layers={args.layers}, {top} workers, "
+        f"{args.steps} steps per run, {args.repeats} interleaved repeats\n",
+        flush=True,
+    )
+    rates: dict[str, list[float]] = {"unsharded": [], "zero1": []}
+    states: dict[str, dict[tuple[int, int], dict[str, object]]] = {}
+    for repeat in range(args.repeats):
+        for name, spec in (("unsharded", plain), ("zero1", sharded)):
+            result = Trainer(spec, topology=top, collect_states=repeat == 0).fit(args.steps)
+            times = [float(m["time"]) for m in result.metrics]
+            rates[name].append((len(times) - warm) / (times[-1] - times[warm - 1]))
+            if repeat == 0:
+                states[name] = result.states
+            print(
+                f"  {repeat + 1}/{args.repeats} {name}: {rates[name][-1]:.2f} steps/s", flush=True
+            )
+    recoveries = {}
+    kill = FailureSchedule([Kill(step=warm + 3, stage=1, replica=0, at=KillPoint.MID_PIPELINE)])
+    for name, spec in (("unsharded", plain), ("zero1", sharded)):
+        result = Trainer(spec, topology=top, failures=kill, collect_states=False).fit(warm + 6)
+        (event,) = result.events
+        recoveries[name] = event
+    rows = []
+    for name in ("unsharded", "zero1"):
+        per_worker = []
+        for (stage, replica), state in states[name].items():
+            own = _tensor_bytes(state["optimizer"]["state"])  # type: ignore[index]
+            mirror = 0
+            if name == "zero1":  # the ward's shard: its parameters and optimizer state
+                ward = states[name][(stage, (replica - 1) % top.replicas)]["optimizer"]["state"]  # type: ignore[index]
+                mirror = _tensor_bytes(ward) + _tensor_bytes(ward) // 2  # AdamW: 2 moments/param
+            per_worker.append((own, mirror))
+        own_mb = statistics.mean(o for o, _ in per_worker) / 1e6
+        mirror_mb = statistics.mean(m for _, m in per_worker) / 1e6
+        event = recoveries[name]
+        rows.append(
+            [
+                name,
+                f"{statistics.median(rates[name]):.2f}",
+                f"{own_mb:.2f}",
+                f"{mirror_mb:.2f}",
+                f"{own_mb + mirror_mb:.2f}",
+                event.strategy,
+                f"{event.breakdown['transfer']:.2f}",
+                f"{event.seconds:.2f}",
+                f"{event.bytes_moved / 1e6:.1f}",
+            ]
+        )
+    print()
+    print(
+        table(
+            [
+                "optimizer",
+                "steps/s",
+                "own opt. MB/worker",
+                "mirror MB/worker",
+                "total MB/worker",
+                "recovery",
+                "transfer s",
+                "recovery s",
+                "MB moved",
+            ],
+            rows,
+        )
+    )
+    print(
+        f"\nsteps/s over steps {warm}..{args.steps - 1} (median of the repeats); memory from the"
+        " final optimizer states (the mirror holds the ward's parameters and AdamW moments);"
+        f" recovery: worker (1,0) killed mid-pipeline at step {warm + 3}, cold replacement."
     )
 
 
@@ -489,7 +585,9 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("throughput", help="framework overhead and pipeline bubbles")
     sn = sub.add_parser("snapshots", help="failure-free cost of peer and durable snapshots")
     sn.add_argument("--repeats", type=int, default=2, help="interleaved runs per configuration")
-    for q in (t, sn):
+    z = sub.add_parser("zero", help="ZeRO-1 with mirrored shards vs unsharded AdamW")
+    z.add_argument("--repeats", type=int, default=2, help="interleaved runs per configuration")
+    for q in (t, sn, z):
         q.add_argument(
             "--preset", default="tiny", help="model preset (default tiny, resized below)"
         )
@@ -499,13 +597,17 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--seq-len", type=int, default=128, help="tokens per sample")
         q.add_argument("--microbatches", type=int, default=4, help="microbatches per replica")
         q.add_argument("--microbatch-size", type=int, default=4, help="samples per microbatch")
-        q.add_argument("--stages", type=int, default=4, help="stages of the PP x DP job")
-        q.add_argument("--replicas", type=int, default=2, help="replicas of the PP x DP job")
+        q.add_argument(
+            "--stages", type=int, default=2 if q is z else 4, help="stages of the PP x DP job"
+        )
+        q.add_argument(
+            "--replicas", type=int, default=3 if q is z else 2, help="replicas of the PP x DP job"
+        )
         q.add_argument(
             "--steps",
             type=int,
-            default=12 if q is t else 105,
-            help="steps per measured run (default 12; snapshots: 105)",
+            default={t: 12, sn: 105, z: 25}[q],
+            help="steps per measured run (default 12; snapshots: 105; zero: 25)",
         )
     r = sub.add_parser("recovery", help="time from a kill to training again, per strategy")
     r.add_argument("--presets", default="small,medium", help="model presets, comma-separated")
@@ -529,7 +631,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     start = time.perf_counter()
-    {"throughput": throughput, "recovery": recovery, "snapshots": snapshots}[args.command](args)
+    commands = {
+        "throughput": throughput,
+        "recovery": recovery,
+        "snapshots": snapshots,
+        "zero": zero,
+    }
+    commands[args.command](args)
     print(f"\n(bench took {time.perf_counter() - start:.0f} s)")
     return 0
 

@@ -90,6 +90,7 @@ def test_partial_recovery_rewrites_only_the_lost_shard() -> None:
     # PLS: the lost lookups over 4 features, over the samples trained (6 steps x 4 x 16).
     samples = STEPS * TOPOLOGY.replicas * 16
     assert event.embedding["pls_job"] == pytest.approx(event.embedding["lost_samples"] / samples)
+    assert event.embedding["pls_event"] == event.embedding["pls_job"]  # the only event
     assert result.mirrors["mirror_memory_bytes"] > result.mirrors["shard_bytes"] > 0
     assert result.mirrors["update_bytes_per_step"] > 0
 
