@@ -236,6 +236,10 @@ class Controller:
         """Connect to Ray, host the store, start and set up every worker, form generation 0."""
         assert self.phase is Phase.STARTING
         self.tokens_per_step = self.spec.check(self.topology)
+        if self.spec.tables is not None and self.config.backend != "gloo":
+            raise ValueError(
+                f"sharded embedding tables train on the CPU over Gloo, not {self.config.backend!r}"
+            )
         if self.spec.shard_optimizer and self.policy.approximate and not self.policy.exact_only:
             raise ValueError(
                 "shard_optimizer (ZeRO-1) does not combine with approximate (CheckFree) "

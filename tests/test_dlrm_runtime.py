@@ -125,3 +125,5 @@ def test_tables_too_small_or_a_pipeline_are_refused_before_workers_start() -> No
         Trainer(spec(), topology=Topology(1, 16)).fit(1)
     with pytest.raises(ValueError, match="use 1 stage"):
         Trainer(spec(), topology=Topology(2, 2)).fit(1)
+    with pytest.raises(ValueError, match="over Gloo"):
+        Trainer(spec(), topology=TOPOLOGY, backend="nccl").fit(1)
