@@ -844,6 +844,7 @@ class Controller:
         t_replace = time.perf_counter() - t0
 
         t0 = time.perf_counter()
+        ring_before = dict(self.ring)
         self.form_generation()
         t_reform = time.perf_counter() - t0
 
@@ -864,7 +865,7 @@ class Controller:
                     self.policy,
                     rollback_all=failure.numerical,
                 )
-        moved += self._seed_mirrors(recovery)
+        moved += self._seed_mirrors(recovery, ring_before)
         embedding = self._note_partial(recovery, alive, assessed)
         t_transfer = time.perf_counter() - t0
 
@@ -946,32 +947,39 @@ class Controller:
         keys = next(iter(costs.values())).keys()
         return {k: sum(c[k] for c in costs.values()) / len(costs) for k in keys}
 
-    def _seed_mirrors(self, recovery: RecoveryPlan | None = None) -> int:
+    def _seed_mirrors(
+        self, recovery: RecoveryPlan | None = None, ring_before: dict[int, int] | None = None
+    ) -> int:
         """Sharded state (ZeRO-1, embedding tables): at the start and after a recovery,
         seed the holders' mirrors with full copies. Returns bytes moved.
 
         After a rollback (or the start) every mirror is re-seeded: the copies are from
-        another timeline. After a ZeRO-1 ``shard_mirror`` recovery only the replacements
-        need one -- the ring is fixed and every other mirror is still current -- so each
-        replacement's ward sends it its shard. Embedding tables re-seed everyone: their
-        ring follows the nodes and may have changed with the replacements.
+        another timeline. After a recovery from mirrors (``shard_mirror``,
+        ``embedding_partial``) on an unchanged ring only the replacements need one: every
+        other mirror still matches its owner (a holder that restored a shard from its
+        mirror holds exactly what it sent), so each replacement's ward sends it its shard.
+        The ZeRO-1 ring is fixed; an embedding ring follows the nodes and may change.
         """
         if not (self.spec.shard_optimizer or self.spec.tables is not None):
             return 0
         actors = {rank: m.actor for rank, m in self.members.items()}
+        from_mirrors = (SHARD_MIRROR, EMBEDDING_PARTIAL)
         targeted = (
-            self.spec.shard_optimizer and recovery is not None and recovery.strategy == SHARD_MIRROR
+            recovery is not None
+            and bool(recovery.actions)
+            and all(a.strategy in from_mirrors for a in recovery.actions)
+            and (self.spec.tables is None or ring_before == self.ring)
         )
+        flags: dict[int, tuple[bool, bool]] = {}
         if targeted:
             assert recovery is not None
-            t = self.topology
-            flags: dict[int, tuple[bool, bool]] = {}
-            for action in recovery.actions:
-                stage, replica = t.worker(action.rank).stage, t.worker(action.rank).replica
-                ward = t.rank(stage, (replica - 1) % t.replicas)
-                assert ward not in {a.rank for a in recovery.actions}, "planner invariant"
-                flags[ward] = (True, False)
-                flags[action.rank] = (False, True)
+            holders = self._mirror_holders()
+            wards = {holder: ward for ward, holder in holders.items()}
+            rebuilt = {a.rank for a in recovery.actions}
+            for rank in rebuilt:
+                assert wards[rank] not in rebuilt, "planner invariant: the ward is alive"
+                flags[wards[rank]] = (True, False)
+                flags[rank] = (False, True)
             actors = {rank: actors[rank] for rank in flags}
         sent = self._call(
             actors,

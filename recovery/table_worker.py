@@ -355,6 +355,7 @@ class TableWorker(StageWorker):
         and this worker's dense replica and step. Returns bytes sent."""
         assert self.comm is not None and self.mirror is not None
         restored = restore_shard([self.mirror])
+        self.mirror.rebase(restored)  # the replacement holds what the mirror holds now
         sent = send_state(self.comm, dst, self.table.dense, self.optimizer, self.step, wait=False)
         for t in (restored.weight, restored.accumulator, restored.lookups):
             self.comm.isend(t, dst)

@@ -63,6 +63,23 @@ def test_mirroring_every_step_recovers_bit_exact(at: KillPoint, spares: int) -> 
     assert event.actions[0]["warm"] is bool(spares)
 
 
+def test_mirrors_stay_exact_through_a_chain_of_recoveries() -> None:
+    """After a recovery only the replacement's mirror is re-seeded; every later restore,
+    from any holder (an old one, or a replacement), is still exact."""
+    kills = [
+        Kill(step=2, stage=0, replica=2),
+        Kill(step=3, stage=0, replica=3),  # held by replica 0; its ward is the new 2
+        Kill(step=4, stage=0, replica=2),  # held by the replacement of 3
+        Kill(step=5, stage=0, replica=1, at=KillPoint.DURING_ALLREDUCE),
+    ]
+    result = fit(EVERY_STEP, *kills)
+    expected = oracle(STEPS)
+    assert [e.strategy for e in result.events] == ["shard_mirror"] * 4
+    for r in range(TOPOLOGY.replicas):
+        for key, value in model(expected, r).items():
+            assert torch.equal(model(result, r)[key], value), (r, key)
+
+
 def test_partial_recovery_rewrites_only_the_lost_shard() -> None:
     """Killed after the last commit, so the final state is the recovery's own work: the
     survivors are untouched, the lost shard's rows are exact or equal to the last full
