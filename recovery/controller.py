@@ -767,14 +767,31 @@ class Controller:
         return lost, (total / samples if samples else (0.0 if total == 0 else math.inf))
 
     def _assess_mirrors(self, lost: set[int], alive: dict[int, int]) -> dict[int, dict[str, int]]:
-        """Embedding tables: ask each lost shard's live mirror holder what a restore gives."""
+        """Embedding tables: ask each lost shard's live mirror holder what a restore gives.
+
+        A holder that dies before answering joins ``lost`` (and leaves ``alive``), and its
+        own shard's holder is asked in turn."""
         if self.spec.tables is None:
             return {}
         step = max(alive.values(), default=0)
-        holders = {r: self.ring[r] for r in lost if alive.get(self.ring.get(r, -1)) == step}
-        refs = {r: self.members[h].actor.assess_mirror.remote(r) for r, h in holders.items()}
-        answers, _ = self._gather(refs, 60.0)  # a holder that fails to answer: no mirror
-        return answers
+        answers: dict[int, dict[str, int]] = {}
+        while True:
+            holders = {
+                r: self.ring[r]
+                for r in lost
+                if r not in answers and alive.get(self.ring.get(r, -1)) == step
+            }
+            refs = {r: self.members[h].actor.assess_mirror.remote(r) for r, h in holders.items()}
+            got, errors = self._gather(refs, 60.0)
+            answers.update(got)
+            if not errors:
+                return answers
+            for ward in errors:  # the holder died meanwhile: lost too, and so is the mirror
+                with contextlib.suppress(Exception):
+                    ray.kill(self.members[holders[ward]].actor, no_restart=True)
+                lost.add(holders[ward])
+                alive.pop(holders[ward], None)
+                self.holdings.pop(holders[ward], None)
 
     def _mirror_holders(self) -> dict[int, int]:
         """Rank -> the rank mirroring its shard (ZeRO-1: the next replica of its stage;
