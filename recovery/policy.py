@@ -93,6 +93,9 @@ class RecoveryPolicy:
     mirror_every: int = 10
     """Embedding tables: every row of each shard mirrored after every this many steps
     (1: every step, which makes every restore exact)."""
+    mirror_hot_every: int = 10
+    """Embedding tables: the hot rows are chosen again (a top-k of each shard's lookup
+    counters) after every this many steps; in between the same rows are mirrored."""
     checkpoint_every: int = 50
     """``restart`` only: write a checkpoint (torch.distributed.checkpoint) every this many steps."""
     checkpoint_dir: str | os.PathLike[str] | None = None
@@ -152,6 +155,7 @@ class RecoveryPolicy:
                 f"mirror_hot_rows must be a non-negative integer, got {self.mirror_hot_rows!r}"
             )
         _positive_int("mirror_every", self.mirror_every)
+        _positive_int("mirror_hot_every", self.mirror_hot_every)
         _positive_int("checkpoint_every", self.checkpoint_every)
         _positive_int("snapshot_every", self.snapshot_every, optional=True)
         _positive_int("durable_every", self.durable_every, optional=True)
@@ -166,7 +170,11 @@ class RecoveryPolicy:
         """What each embedding shard's owner sends its mirror after every step."""
         from recovery.strategies.embedding import MirrorPlan
 
-        return MirrorPlan(hot_rows=self.mirror_hot_rows, mirror_every=self.mirror_every)
+        return MirrorPlan(
+            hot_rows=self.mirror_hot_rows,
+            mirror_every=self.mirror_every,
+            hot_every=self.mirror_hot_every,
+        )
 
     @property
     def swapped_routes(self) -> bool:

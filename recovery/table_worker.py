@@ -118,6 +118,8 @@ class TableWorker(StageWorker):
         self.tracker = MFUTracker(self.table.shard.num_rows)
         self.plan = mirror or MirrorPlan()
         self.mirror: ShardCopy | None = None
+        self._hot: torch.Tensor | None = None
+        """The hot rows the last mirror update carried (see `MirrorPlan.hot_every`)."""
         self._incoming: MirrorUpdate | None = None
         self.coll: _StageCollective | None = None
         self.mirror_sent = 0
@@ -256,7 +258,10 @@ class TableWorker(StageWorker):
             lookups=lookups,
             lr=self.table.sparse_lr,
             eps=self.table.eps,
+            hot=self._hot,
         )
+        if not update.full:
+            self._hot = update.rows
         header = torch.tensor([update.shard, update.committed, int(update.full)])
         parts = (update.updated, update.lookups, update.rows, update.weight, update.accumulator)
         self.comm.isend(header, self.buddy)

@@ -249,14 +249,23 @@ def test_pls_matches_a_hand_count(
 # ---- the pieces ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("plan", [MirrorPlan(hot_rows=5, mirror_every=3), MirrorPlan()])
+@pytest.mark.parametrize(
+    "plan",
+    [
+        MirrorPlan(hot_rows=5, mirror_every=3),
+        MirrorPlan(hot_rows=5, mirror_every=7, hot_every=2),
+        MirrorPlan(),
+    ],
+)
 def test_the_update_sent_before_commit_is_the_one_after_it(plan: MirrorPlan) -> None:
     """The runtime sends a step's mirror update in phase one; it must carry exactly the
     bits `mirror_update` reads off the shard after the commit."""
     logs = ClickLogs(TINY.table_rows, dense_features=TINY.dense_features, batch_size=8, seed=4)
     trainer = InProcessDLRM(TINY, workers=3, batches=logs)
     trackers = [MFUTracker(w.shard.num_rows) for w in trainer.workers]
-    for step in range(5):
+    hot_early: list[torch.Tensor | None] = [None] * 3
+    hot_late: list[torch.Tensor | None] = [None] * 3
+    for step in range(8):
         trainer.run_step(step)
         before = []
         for w, tracker in zip(trainer.workers, trackers, strict=True):
@@ -276,8 +285,11 @@ def test_the_update_sent_before_commit_is_the_one_after_it(plan: MirrorPlan) -> 
                     lookups=lookups,
                     lr=w.sparse_lr,
                     eps=w.eps,
+                    hot=hot_early[w.rank],
                 )
             )
+            if not before[-1].full:
+                hot_early[w.rank] = before[-1].rows
         updates = trainer.commit()
         for w, tracker, update, early in zip(
             trainer.workers, trackers, updates, before, strict=True
@@ -292,11 +304,25 @@ def test_the_update_sent_before_commit_is_the_one_after_it(plan: MirrorPlan) -> 
                 tracker=tracker,
                 updated=update.rows,
                 lookups=update.lookups,
+                hot=hot_late[w.rank],
             )
+            if not late.full:
+                hot_late[w.rank] = late.rows
             assert early.full == late.full and early.committed == late.committed
             for name in ("updated", "lookups", "rows", "weight", "accumulator"):
                 assert torch.equal(getattr(early, name), getattr(late, name)), (step, name)
     trainer.close()
+
+
+def test_the_hot_set_is_chosen_again_every_hot_every_steps() -> None:
+    tracker = MFUTracker(6, torch.tensor([5, 0, 9, 1, 7, 2]))
+    plan = MirrorPlan(hot_rows=2, hot_every=3)
+    last = torch.tensor([1, 3])
+    assert plan.hot_set(tracker, 4, None).tolist() == [2, 4]  # nothing chosen yet
+    assert plan.hot_set(tracker, 4, last).tolist() == [1, 3]  # kept between choices
+    assert plan.hot_set(tracker, 6, last).tolist() == [2, 4]  # due: chosen again
+    with pytest.raises(ValueError, match="hot_every"):
+        MirrorPlan(hot_every=0)
 
 
 def test_mfu_tracker_names_the_hottest_rows() -> None:

@@ -170,6 +170,11 @@ class MirrorPlan:
     mirror_every: int = 1
     """All rows are mirrored after every this many committed steps (1: every step, which
     makes every restore exact)."""
+    hot_every: int = 1
+    """The hot set (the top ``hot_rows`` of the counters, a top-k over the shard) is
+    chosen again after every this many committed steps; in between, the last set chosen
+    is sent (its values are always current). Callers that keep that set pass it to
+    `mirror_update` as ``hot``; 1: chosen every step."""
 
     def __post_init__(self) -> None:
         if isinstance(self.hot_rows, bool) or not isinstance(self.hot_rows, int):
@@ -177,10 +182,18 @@ class MirrorPlan:
         if self.hot_rows < 0:
             raise ValueError(f"hot_rows must be >= 0, got {self.hot_rows}")
         _positive_int("mirror_every", self.mirror_every)
+        _positive_int("hot_every", self.hot_every)
 
     def is_full(self, committed: int) -> bool:
         """Whether the update after ``committed`` committed steps carries every row."""
         return committed % self.mirror_every == 0
+
+    def hot_set(self, tracker: MFUTracker, committed: int, last: Tensor | None) -> Tensor:
+        """The hot rows the update after ``committed`` steps carries: ``last`` (the set
+        chosen before), or a new choice when none was made or ``hot_every`` is due."""
+        if last is None or committed % self.hot_every == 0:
+            return tracker.hot(self.hot_rows)
+        return last
 
 
 @dataclass(frozen=True)
@@ -221,11 +234,13 @@ def mirror_update(
     tracker: MFUTracker,
     updated: Tensor,
     lookups: Tensor,
+    hot: Tensor | None = None,
 ) -> MirrorUpdate:
     """The owner's message after committing a step (call after `MFUTracker.observe`).
 
     Args:
         committed: the shard's committed steps, this step included.
+        hot: the hot set the last update carried (see `MirrorPlan.hot_every`).
         weight, accumulator: the shard's current rows and row-wise optimizer state.
         updated, lookups: the step's updated rows and their lookups
             (`parallelism.dlrm.StepUpdate`).
@@ -245,7 +260,7 @@ def mirror_update(
         rows = torch.arange(n)
         values, state = weight.detach().clone(), accumulator.detach().clone()
     else:
-        rows = tracker.hot(plan.hot_rows)
+        rows = plan.hot_set(tracker, committed, hot)
         values, state = weight.detach()[rows], accumulator.detach()[rows]
     return MirrorUpdate(
         shard=shard,
@@ -272,6 +287,7 @@ def mirror_update_before_commit(
     lookups: Tensor,
     lr: float,
     eps: float,
+    hot: Tensor | None = None,
 ) -> MirrorUpdate:
     """The `mirror_update` the owner would send after committing a step, computed before
     the commit from the step's pending row gradients (the runtime sends it in phase one,
@@ -287,6 +303,7 @@ def mirror_update_before_commit(
         counts: the shard's lookup counts before this step (`MFUTracker.counts`).
         rows, grads, lookups: the pending step's updated rows (unique, ascending), their
             summed gradients and their lookups (`parallelism.dlrm.DLRMWorker.pending`).
+        hot: the hot set the last update carried (see `MirrorPlan.hot_every`).
 
     Raises:
         ValueError: if the shapes do not match.
@@ -301,7 +318,7 @@ def mirror_update_before_commit(
             f"grads {tuple(grads.shape)} must be [{rows.numel()}, {weight.shape[1]}] like rows"
         )
     full = plan.is_full(committed)
-    send = torch.arange(n) if full else tracker.hot(plan.hot_rows)
+    send = torch.arange(n) if full else plan.hot_set(tracker, committed, hot)
     values = weight.detach()[send]
     state = accumulator.detach()[send]
     if send.numel() and rows.numel():
