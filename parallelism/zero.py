@@ -16,9 +16,10 @@ Each shard is mirrored on the ring neighbour: replica ``r + 1`` keeps a copy of 
 ``r``'s owned parameters and optimizer state (``mirror``) and applies the same update to
 it at every commit, from the same all-reduced gradient. The update is a deterministic
 function of identical inputs, so the mirror stays bit-identical to the owner's shard
-without a byte of traffic per step: the cost is memory (a second shard, so 2/R of the
-optimizer state per replica rather than 1/R -- ZeRO-1 with mirrors saves memory from
-three replicas on) and the compute of a second, smaller optimizer step.
+without a byte of traffic per step: the cost is memory (the ward's parameters and
+moments besides the replica's own moments: with AdamW 2.5/R of the unsharded optimizer
+memory, so ZeRO-1 with mirrors saves memory from three replicas on) and the compute of a
+second optimizer step over 1/R of the parameters.
 
 When a replica dies its owned parameters and optimizer state come from its neighbour's
 mirror, bit for bit; the rest of its module comes from the next sync. If the neighbour

@@ -41,8 +41,7 @@ from parallelism.comm import Rendezvous, StageComm
 from parallelism.dlrm import ProcessGroupCollective
 from parallelism.engine import StepStats
 from parallelism.topology import Topology
-from recovery.faults import Fault, KillPoint, WorkerFault
-from recovery.snapshots import PeerSnapshots
+from recovery.faults import Fault, KillPoint
 from recovery.spec import TrainSpec
 from recovery.strategies.embedding import (
     MFUTracker,
@@ -125,10 +124,7 @@ class TableWorker(StageWorker):
         self.mirror_sent = 0
         """Bytes of mirror updates sent (phase one of every step), seeds excluded."""
         self.mirror_steps = 0
-        self.rebuilt_at: int | None = None
-        self.checkfree = None
-        self.step = 0
-        self.peer = PeerSnapshots(keep=2)
+        self._start_fresh()
         return time.perf_counter() - start
 
     def join(
@@ -156,14 +152,8 @@ class TableWorker(StageWorker):
     def run_step(self, step: int, faults: tuple[Fault, ...] = ()) -> StepReport:
         """Phase one: lookups, forward, backward, row-gradient exchange, dense all-reduce,
         and the mirror updates this step will imply. Applies nothing."""
-        assert self.spec is not None, "setup() first"
-        if step != self.step:
-            raise RuntimeError(
-                f"worker {self.rank} is at step {self.step}, asked to run step {step}"
-            )
-        self._faults = [f for f in faults if isinstance(f, WorkerFault) and f.step == step]
-        self._activity = ("step", time.time())
-        self._drop_step()
+        self._begin_step(step, faults)
+        assert self.spec is not None
         batch = cast(ClickBatch, self.spec.batches(step, self.replica, self.topology.replicas))
         start = time.perf_counter()
         try:
@@ -187,21 +177,14 @@ class TableWorker(StageWorker):
         )
         return self._report(step, stats)
 
-    def commit(self, step: int) -> int:
-        """Phase two: apply the step to the shard and the dense replica, and the ward's
-        pending mirror update to the mirror. Returns the new step counter."""
-        if step != self.step:
-            raise RuntimeError(f"worker {self.rank} is at step {self.step}, asked to commit {step}")
-        self._hook(KillPoint.BEFORE_COMMIT.value)
+    def _apply(self, step: int) -> None:
+        """The commit's work: apply the step to the shard and the dense replica, and the
+        ward's pending mirror update to the mirror."""
         update = self.table.commit()
         self.tracker.observe(update.rows, update.lookups)
         if self._incoming is not None and self.mirror is not None:
             self.mirror.apply(self._incoming)
         self._incoming = None
-        self.step = step + 1
-        self._hook(KillPoint.AFTER_COMMIT.value)
-        self._faults = []
-        return self.step
 
     def _drop_step(self) -> None:
         super()._drop_step()

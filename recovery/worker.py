@@ -172,11 +172,15 @@ class StageWorker:
             shared=self.shared_names,
             shared_is_home=self.stage in (0, topology.stages - 1),
         )
+        self._start_fresh()
+        return time.perf_counter() - start
+
+    def _start_fresh(self) -> None:
+        """A newly set-up worker's progress: step 0, never rebuilt, no snapshots held."""
         self.rebuilt_at: int | None = None
         self.checkfree: CheckFreeConfig | None = None
         self.step = 0
         self.peer = PeerSnapshots(keep=2)
-        return time.perf_counter() - start
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         """The spec's optimizer; shared (CheckFree+ replica) parameters in a group of their own."""
@@ -269,14 +273,8 @@ class StageWorker:
             RuntimeError: if ``step`` is not this worker's next step.
             Exception: whatever user code raised (model, loss, data), after tearing down.
         """
-        assert self.spec is not None, "setup() first"
-        if step != self.step:
-            raise RuntimeError(
-                f"worker {self.rank} is at step {self.step}, asked to run step {step}"
-            )
-        self._faults = [f for f in faults if isinstance(f, WorkerFault) and f.step == step]
-        self._activity = ("step", time.time())
-        self._drop_step()
+        self._begin_step(step, faults)
+        assert self.spec is not None
         seed_everything(self.spec.seed, "step", self.stage, self.replica, step)
         inputs, targets = self._data(self.spec.batches, step, self.schedule)
         try:
@@ -299,6 +297,30 @@ class StageWorker:
         if step != self.step:
             raise RuntimeError(f"worker {self.rank} is at step {self.step}, asked to commit {step}")
         self._hook(KillPoint.BEFORE_COMMIT.value)
+        self._apply(step)
+        self.step = step + 1
+        self._hook(KillPoint.AFTER_COMMIT.value)
+        self._faults = []
+        return self.step
+
+    def _begin_step(self, step: int, faults: tuple[Fault, ...]) -> None:
+        """Phase one's preamble: check the step, arm its faults, drop any leftover step.
+
+        Raises:
+            RuntimeError: if ``step`` is not this worker's next step.
+        """
+        assert self.spec is not None, "setup() first"
+        if step != self.step:
+            raise RuntimeError(
+                f"worker {self.rank} is at step {self.step}, asked to run step {step}"
+            )
+        self._faults = [f for f in faults if isinstance(f, WorkerFault) and f.step == step]
+        self._activity = ("step", time.time())
+        self._drop_step()
+
+    def _apply(self, step: int) -> None:
+        """The commit's work: the optimizer update of ``step`` (and of a ZeRO-1 mirror)."""
+        assert self.spec is not None
         factor = 1.0
         if self.rebuilt_at is not None and self.checkfree is not None:
             factor = self.checkfree.lr_factor(max(0, step - self.rebuilt_at))
@@ -309,10 +331,6 @@ class StageWorker:
             apply_lr_schedule(mirror, self.spec.lr_schedule, step, self.base_lrs, factor=factor)
             self.zero.step_mirror()
         self.module.zero_grad(set_to_none=True)
-        self.step = step + 1
-        self._hook(KillPoint.AFTER_COMMIT.value)
-        self._faults = []
-        return self.step
 
     def abandon(self, step: int) -> None:
         """Drop the uncommitted gradients of ``step`` (it will be run again)."""

@@ -23,6 +23,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _train_script():  # type: ignore[no-untyped-def]
+    """scripts/train.py as a module, to call its main() on the embedded Ray."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import train
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    return train
+
+
 def _check_run(out: Path) -> None:
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 6
@@ -35,11 +45,7 @@ def _check_run(out: Path) -> None:
 def test_train_script_on_embedded_local_ray(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import train
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    train = _train_script()
     assert train.main([*TINY, "--out", str(tmp_path / "run")]) == 0
     assert "validation loss" in capsys.readouterr().out
     _check_run(tmp_path / "run")
@@ -50,11 +56,7 @@ def test_train_script_on_embedded_local_ray(
 def test_train_script_dlrm_recovers_a_shard_partially(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import train
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    train = _train_script()
     args = ["--model", "dlrm", "--preset", "tiny", "--batch-size", "16", "--steps", "9",
             "--failures", "kill:step=7,stage=0,replica=2", "--mirror-every", "5",
             "--mirror-hot-rows", "2", "--pls-budget", "1", "--eval-every", "3",
