@@ -45,21 +45,10 @@ from parallelism.topology import Topology
 from recovery.errors import RecoveryError, RedundancyExhausted, SnapshotCorrupted
 from recovery.events import RecoveryEvent
 from recovery.faults import FailureSchedule, Fault, Kill, KillNode, WorkerFault
+from recovery.names import Strategy, Tier
 from recovery.placement import place, replacement_node
-from recovery.planner import (
-    DURABLE_TIER,
-    EDGE_COPY,
-    EMBEDDING_PARTIAL,
-    NEIGHBOR_AVERAGE,
-    REPLICA_COPY,
-    RESTART,
-    ROLLBACK,
-    SHARD_MIRROR,
-    Action,
-    RecoveryPlan,
-    Redundancy,
-    plan,
-)
+from recovery.planner import RecoveryAction as Action
+from recovery.planner import RecoveryPlan, Redundancy, plan
 from recovery.policy import RecoveryPolicy
 from recovery.pool import POOL
 from recovery.ray_env import alive_nodes, connect, driver_host
@@ -252,7 +241,7 @@ class Controller:
         for fault in self.failures:
             if isinstance(fault, KillNode) and fault.node >= len(self.job_nodes):
                 raise ValueError(f"{fault}: the job runs on {len(self.job_nodes)} node(s)")
-        if self.policy.strategy == RESTART:
+        if self.policy.strategy == Strategy.RESTART:
             self._checkpoint_dir = str(
                 self.policy.checkpoint_dir
                 or self.config.work_dir
@@ -537,7 +526,7 @@ class Controller:
             self._fail(self.step, set(errors), {}, errors, set(), struck_at, faults)
             return
         self._mark_fired(faults)
-        if self.policy.strategy == RESTART and self.step % self.policy.checkpoint_every == 0:
+        if self.policy.strategy == Strategy.RESTART and self.step % self.policy.checkpoint_every == 0:
             self._save_checkpoint()
         self._take_snapshots()
         if self.config.eval_every and (
@@ -852,12 +841,12 @@ class Controller:
         # New processes only for the lost workers; survivors restore in place (a rollback)
         # -- except in the restart baseline, where everyone goes and comes back cold.
         rebuild = sorted(lost)
-        if recovery.strategy == RESTART:
+        if recovery.strategy == Strategy.RESTART:
             rebuild = list(range(self.topology.world_size))
             for rank in alive:
                 with contextlib.suppress(Exception):
                     ray.kill(self.members[rank].actor, no_restart=True)
-        warm = self._replace(rebuild, cold=recovery.strategy == RESTART)
+        warm = self._replace(rebuild, cold=recovery.strategy == Strategy.RESTART)
         t_replace = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -934,7 +923,7 @@ class Controller:
         """Embedding tables: account the restore's lost samples (PLS); None for other jobs."""
         if self.spec.tables is None:
             return None
-        if recovery.strategy in (ROLLBACK, RESTART):
+        if recovery.strategy in (Strategy.ROLLBACK, Strategy.RESTART):
             # The rolled-back steps, and the partial restores in them, are gone.
             self._accepted = [(c, s) for c, s in self._accepted if c < recovery.resume_step]
             return None
@@ -980,7 +969,7 @@ class Controller:
         if not (self.spec.shard_optimizer or self.spec.tables is not None):
             return 0
         actors = {rank: m.actor for rank, m in self.members.items()}
-        from_mirrors = (SHARD_MIRROR, EMBEDDING_PARTIAL)
+        from_mirrors = (Strategy.SHARD_MIRROR, Strategy.EMBEDDING_PARTIAL)
         targeted = (
             recovery is not None
             and bool(recovery.actions)
@@ -1053,9 +1042,9 @@ class Controller:
             SnapshotCorrupted: if a durable snapshot chosen by the plan fails its checksums
                 (nothing was loaded from it).
         """
-        if recovery.strategy == ROLLBACK:
+        if recovery.strategy == Strategy.ROLLBACK:
             return self._rollback(recovery)
-        if recovery.strategy == RESTART:
+        if recovery.strategy == Strategy.RESTART:
             if recovery.resume_step > 0:
                 self._call(
                     {rank: m.actor for rank, m in self.members.items()},
@@ -1068,14 +1057,14 @@ class Controller:
         refs: dict[tuple[int, str], Any] = {}
         by_source: dict[int, list[int]] = {}
         for action in recovery.actions:
-            if action.strategy == REPLICA_COPY:
+            if action.strategy == Strategy.REPLICA_COPY:
                 by_source.setdefault(action.sources[0], []).append(action.rank)
         for src, dsts in by_source.items():
             refs[(src, "send")] = self.members[src].actor.send_state.remote(dsts)
             for dst in dsts:
                 refs[(dst, "copy")] = self.members[dst].actor.recv_state.remote(src)
         for action in recovery.actions:
-            if action.strategy in (SHARD_MIRROR, EMBEDDING_PARTIAL):
+            if action.strategy in (Strategy.SHARD_MIRROR, Strategy.EMBEDDING_PARTIAL):
                 (holder,) = action.sources
                 refs[(holder, f"send{action.rank}")] = self.members[
                     holder
@@ -1084,7 +1073,7 @@ class Controller:
                     holder
                 )
         for action in recovery.actions:
-            if action.strategy in (NEIGHBOR_AVERAGE, EDGE_COPY):
+            if action.strategy in (Strategy.NEIGHBOR_AVERAGE, Strategy.EDGE_COPY):
                 refs.update(self._start_rebuild(action, recovery.resume_step))
         keys = list(refs)
         results, errors = self._gather(
@@ -1096,11 +1085,11 @@ class Controller:
         steps = {
             got[(a.rank, "copy")][0]
             for a in recovery.actions
-            if a.strategy in (REPLICA_COPY, SHARD_MIRROR, EMBEDDING_PARTIAL)
+            if a.strategy in (Strategy.REPLICA_COPY, Strategy.SHARD_MIRROR, Strategy.EMBEDDING_PARTIAL)
         }
         assert steps <= {recovery.resume_step}, (steps, recovery.resume_step)
         for action in recovery.actions:  # a rebuilt stage has no gradient history yet
-            if action.strategy in (NEIGHBOR_AVERAGE, EDGE_COPY):
+            if action.strategy in (Strategy.NEIGHBOR_AVERAGE, Strategy.EDGE_COPY):
                 self.grad_norms[self.topology.worker(action.rank).stage] = None
         return sum(
             int(v) for k, v in got.items() if k[1].startswith("send") or k[1].startswith("named")
@@ -1109,7 +1098,7 @@ class Controller:
     def _start_rebuild(self, action: Action, step: int) -> dict[tuple[int, str], Any]:
         """Start a CheckFree(+) rebuild of ``action.rank`` from its neighbours' live workers."""
         stage = self.topology.worker(action.rank).stage
-        if action.strategy == NEIGHBOR_AVERAGE:
+        if action.strategy == Strategy.NEIGHBOR_AVERAGE:
             roles = {"prev": action.sources[0], "next": action.sources[1]}
         else:  # edge_copy: stage 0 copies stage 1 (its next), stage S-1 copies S-2 (its prev)
             roles = {"next" if stage == 0 else "prev": action.sources[0]}
@@ -1133,7 +1122,7 @@ class Controller:
         """Every worker restores the plan's snapshot: its own copy, a holder's, or the durable tier."""
         step = recovery.resume_step
         moved = 0
-        if recovery.tier == DURABLE_TIER:
+        if recovery.tier == Tier.DURABLE:
             self._call(
                 {rank: m.actor for rank, m in self.members.items()},
                 "durable_load",

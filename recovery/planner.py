@@ -33,21 +33,8 @@ from dataclasses import dataclass, field
 
 from parallelism.topology import Topology
 from recovery.errors import RedundancyExhausted
+from recovery.names import APPROXIMATE, Strategy, Tier
 from recovery.policy import RecoveryPolicy
-
-REPLICA_COPY = "replica_copy"
-SHARD_MIRROR = "shard_mirror"
-EMBEDDING_PARTIAL = "embedding_partial"
-NEIGHBOR_AVERAGE = "neighbor_average"
-EDGE_COPY = "edge_copy"
-ROLLBACK = "rollback"
-RESTART = "restart"
-
-APPROXIMATE = frozenset({NEIGHBOR_AVERAGE, EDGE_COPY, EMBEDDING_PARTIAL})
-"""Strategies whose result is not the state the lost worker had."""
-
-PEER_TIER = "peer"
-DURABLE_TIER = "durable"
 
 
 @dataclass(frozen=True)
@@ -77,7 +64,7 @@ class Redundancy:
 
 
 @dataclass(frozen=True)
-class Action:
+class RecoveryAction:
     """Rebuild (or restore) worker ``rank`` with ``strategy`` from ``sources`` (global ranks).
 
     ``sources`` is empty where the worker restores from something it holds itself (its
@@ -85,7 +72,7 @@ class Action:
     """
 
     rank: int
-    strategy: str
+    strategy: Strategy
     sources: tuple[int, ...] = ()
 
 
@@ -93,10 +80,10 @@ class Action:
 class RecoveryPlan:
     """What to do: one action per rebuilt worker, and the step training resumes at."""
 
-    actions: tuple[Action, ...]
+    actions: tuple[RecoveryAction, ...]
     resume_step: int
     lost: tuple[int, ...] = ()
-    tier: str | None = None
+    tier: Tier | None = None
     """For rollbacks: ``peer`` or ``durable``."""
     reason: str = ""
     """For rollbacks: why nothing less would do."""
@@ -150,12 +137,12 @@ def plan(
         )
     if not lost_set and not rollback_all:
         return RecoveryPlan(actions=(), resume_step=max(alive.values(), default=0))
-    if policy.strategy == RESTART:
+    if policy.strategy == Strategy.RESTART:
         return _restart(topology, lost_set, redundancy)
 
     step = max(alive.values(), default=0)
     current = {rank for rank, s in alive.items() if s == step}
-    actions: list[Action] = []
+    actions: list[RecoveryAction] = []
     unplanned: list[str] = []
     if not rollback_all:
         dead_stages = {
@@ -184,7 +171,7 @@ def plan(
     reason = (
         "a numerical fault makes the live state suspect" if rollback_all else "; ".join(unplanned)
     )
-    if not policy.allows(ROLLBACK):
+    if not policy.allows(Strategy.ROLLBACK):
         raise RedundancyExhausted(
             f"no allowed source: {reason}. Rollback is not allowed by the policy."
         )
@@ -193,13 +180,13 @@ def plan(
 
 def _exact(
     topology: Topology, stage: int, targets: list[int], current: set[int], policy: RecoveryPolicy
-) -> list[Action]:
+) -> list[RecoveryAction]:
     sources = sorted(r for r in topology.stage_group(stage) if r in current)
-    if not sources or not policy.allows(REPLICA_COPY):
+    if not sources or not policy.allows(Strategy.REPLICA_COPY):
         return []
     # Spread the copies over the live replicas so no single source serialises them.
     return [
-        Action(rank=t, strategy=REPLICA_COPY, sources=(sources[i % len(sources)],))
+        RecoveryAction(rank=t, strategy=Strategy.REPLICA_COPY, sources=(sources[i % len(sources)],))
         for i, t in enumerate(targets)
     ]
 
@@ -208,14 +195,14 @@ def _partial_allowed(redundancy: Redundancy, policy: RecoveryPolicy) -> bool:
     """Whether stale rows may come back stale (CPR) rather than force a rollback."""
     from recovery.strategies.embedding import decide
 
-    if policy.exact_only or not policy.allows(EMBEDDING_PARTIAL):
+    if policy.exact_only or not policy.allows(Strategy.EMBEDDING_PARTIAL):
         return False
     return decide(policy.embedding, pls=redundancy.pls, budget=policy.pls_budget) == "partial"
 
 
 def _from_mirrors(
     targets: list[int], redundancy: Redundancy, current: set[int], policy: RecoveryPolicy
-) -> list[Action]:
+) -> list[RecoveryAction]:
     """Each lost shard from the live, current worker that mirrors it: ``shard_mirror`` if
     the mirror is exact, ``embedding_partial`` if some rows are stale and the policy
     accepts that; [] if any target cannot come back this way."""
@@ -227,9 +214,9 @@ def _from_mirrors(
         if redundancy.mirror_stale.get(t, False):
             if not _partial_allowed(redundancy, policy):
                 return []
-            actions.append(Action(rank=t, strategy=EMBEDDING_PARTIAL, sources=(holders[t],)))
-        elif policy.allows(SHARD_MIRROR):
-            actions.append(Action(rank=t, strategy=SHARD_MIRROR, sources=(holders[t],)))
+            actions.append(RecoveryAction(rank=t, strategy=Strategy.EMBEDDING_PARTIAL, sources=(holders[t],)))
+        elif policy.allows(Strategy.SHARD_MIRROR):
+            actions.append(RecoveryAction(rank=t, strategy=Strategy.SHARD_MIRROR, sources=(holders[t],)))
         else:
             return []
     return actions
@@ -274,7 +261,7 @@ def _approximate(
     current: set[int],
     dead_stages: set[int],
     policy: RecoveryPolicy,
-) -> list[Action]:
+) -> list[RecoveryAction]:
     """CheckFree(+) for a stage with no live replica; [] if not allowed or not possible.
 
     Every lost replica of the stage computes the same rebuild from the same sources (it is
@@ -283,7 +270,7 @@ def _approximate(
     if policy.exact_only or policy.approximate is None:
         return []
     last = topology.stages - 1
-    if 0 < stage < last and policy.allows(NEIGHBOR_AVERAGE):
+    if 0 < stage < last and policy.allows(Strategy.NEIGHBOR_AVERAGE):
         if stage - 1 in dead_stages or stage + 1 in dead_stages:
             return []  # adjacent lost stages: averaging needs both neighbours
         actions = []
@@ -291,9 +278,9 @@ def _approximate(
             prev = _live_replica(topology, stage - 1, current, i)
             nxt = _live_replica(topology, stage + 1, current, i)
             assert prev is not None and nxt is not None
-            actions.append(Action(rank=t, strategy=NEIGHBOR_AVERAGE, sources=(prev, nxt)))
+            actions.append(RecoveryAction(rank=t, strategy=Strategy.NEIGHBOR_AVERAGE, sources=(prev, nxt)))
         return actions
-    if stage in (0, last) and policy.approximate == "checkfree+" and policy.allows(EDGE_COPY):
+    if stage in (0, last) and policy.approximate == "checkfree+" and policy.allows(Strategy.EDGE_COPY):
         if topology.stages < 4:
             return []
         partner = 1 if stage == 0 else last - 1
@@ -301,7 +288,7 @@ def _approximate(
             return []
         sources = sorted(r for r in topology.stage_group(partner) if r in current)
         return [
-            Action(rank=t, strategy=EDGE_COPY, sources=(sources[i % len(sources)],))
+            RecoveryAction(rank=t, strategy=Strategy.EDGE_COPY, sources=(sources[i % len(sources)],))
             for i, t in enumerate(targets)
         ]
     return []
@@ -349,28 +336,28 @@ def _rollback(
         actions = []
         for rank in range(topology.world_size):
             if rank in alive and peer in redundancy.peer_own.get(rank, ()):
-                actions.append(Action(rank=rank, strategy=ROLLBACK))
+                actions.append(RecoveryAction(rank=rank, strategy=Strategy.ROLLBACK))
                 continue
             holders = sorted(
                 h
                 for h, wards in redundancy.peer_held.items()
                 if h in alive and peer in wards.get(rank, ())
             )
-            actions.append(Action(rank=rank, strategy=ROLLBACK, sources=(holders[0],)))
+            actions.append(RecoveryAction(rank=rank, strategy=Strategy.ROLLBACK, sources=(holders[0],)))
         return RecoveryPlan(
             tuple(actions),
             resume_step=peer,
             lost=tuple(sorted(lost)),
-            tier=PEER_TIER,
+            tier=Tier.PEER,
             reason=reason,
         )
     assert durable is not None
-    actions = [Action(rank=r, strategy=ROLLBACK) for r in range(topology.world_size)]
+    actions = [RecoveryAction(rank=r, strategy=Strategy.ROLLBACK) for r in range(topology.world_size)]
     return RecoveryPlan(
         tuple(actions),
         resume_step=durable,
         lost=tuple(sorted(lost)),
-        tier=DURABLE_TIER,
+        tier=Tier.DURABLE,
         reason=reason,
     )
 
@@ -378,5 +365,5 @@ def _rollback(
 def _restart(topology: Topology, lost: set[int], redundancy: Redundancy) -> RecoveryPlan:
     """Everyone restarts from the newest complete checkpoint (step 0: the initial state)."""
     resume = max(redundancy.checkpoint_steps, default=0)
-    actions = tuple(Action(rank=r, strategy=RESTART) for r in range(topology.world_size))
+    actions = tuple(RecoveryAction(rank=r, strategy=Strategy.RESTART) for r in range(topology.world_size))
     return RecoveryPlan(actions=actions, resume_step=resume, lost=tuple(sorted(lost)))

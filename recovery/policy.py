@@ -7,20 +7,15 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from recovery.names import Strategy
+
 if TYPE_CHECKING:
     from recovery.strategies.checkfree import CheckFreeConfig
     from recovery.strategies.embedding import MirrorPlan
 
 STRATEGIES = ("auto", "restart")
 APPROXIMATIONS = (None, "checkfree", "checkfree+")
-STRATEGY_NAMES = (
-    "replica_copy",
-    "shard_mirror",
-    "neighbor_average",
-    "edge_copy",
-    "embedding_partial",
-    "rollback",
-)
+STRATEGY_NAMES = tuple(s.value for s in Strategy if s is not Strategy.RESTART)
 """The recovery strategies a policy can allow (see docs/DESIGN.md, Recovery hierarchy)."""
 
 

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from parallelism import Topology
 from recovery.errors import RedundancyExhausted
-from recovery.planner import REPLICA_COPY, RESTART, Redundancy, plan
+from recovery.names import Strategy
+from recovery.planner import Redundancy, plan
 from recovery.policy import RecoveryPolicy
 
 
@@ -37,7 +38,7 @@ def test_replica_copy_plans(case: tuple[Topology, set[int], Redundancy]) -> None
     targets = [a.rank for a in result.actions]
     assert sorted(targets) == sorted(lost)  # every lost worker exactly once, nobody else
     for action in result.actions:
-        assert action.strategy == REPLICA_COPY and len(action.sources) == 1
+        assert action.strategy == Strategy.REPLICA_COPY and len(action.sources) == 1
         (src,) = action.sources
         assert src in redundancy.alive and src not in lost  # alive, not itself rebuilt
         assert top.worker(src).stage == top.worker(action.rank).stage
@@ -68,7 +69,7 @@ def test_restart_plans_restore_everyone_from_the_newest_checkpoint(
         assert result.actions == ()
         return
     assert sorted(a.rank for a in result.actions) == list(range(top.world_size))
-    assert {a.strategy for a in result.actions} == {RESTART}
+    assert {a.strategy for a in result.actions} == {Strategy.RESTART}
     assert result.resume_step == max(checkpoints, default=0)
 
 

@@ -1,0 +1,61 @@
+"""The recovery vocabulary: one enum per set of names, used by every package.
+
+The values are the strings written to ``events.jsonl`` and accepted on the command line,
+so they never change; this is the only module that spells them (the planner, the policy,
+the runtime's executor, events and every simulator use these members).
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+
+if sys.version_info >= (3, 11):
+    from enum import StrEnum
+else:  # pragma: no cover - Python 3.10
+
+    class StrEnum(str, enum.Enum):
+        """`enum.StrEnum` for Python 3.10: members are their values as strings."""
+
+        def __str__(self) -> str:
+            return str(self.value)
+
+
+__all__ = ["APPROXIMATE", "StrEnum", "Strategy", "Tier"]
+
+
+class Strategy(StrEnum):
+    """How one lost unit of state comes back (docs/DESIGN.md, Recovery hierarchy)."""
+
+    REPLICA_COPY = "replica_copy"
+    """Copied from a live replica of the same stage (exact)."""
+    SHARD_MIRROR = "shard_mirror"
+    """A sharded unit (ZeRO-1 optimizer shard, embedding rows) from its ring mirror (exact)."""
+    NEIGHBOR_AVERAGE = "neighbor_average"
+    """CheckFree: the gradient-norm-weighted average of the neighbouring stages."""
+    EDGE_COPY = "edge_copy"
+    """CheckFree+: a first/last stage copied from its swap partner."""
+    EMBEDDING_PARTIAL = "embedding_partial"
+    """CPR: an embedding shard restored with some rows stale, within the PLS budget."""
+    ROLLBACK = "rollback"
+    """Every worker restores the newest consistent snapshot (peer tier, else durable)."""
+    RESTART = "restart"
+    """The baseline: every worker restarted cold from the last checkpoint."""
+
+    @property
+    def exact(self) -> bool:
+        """Whether the rebuilt state is the state that was lost."""
+        return self not in APPROXIMATE
+
+
+APPROXIMATE = frozenset({Strategy.NEIGHBOR_AVERAGE, Strategy.EDGE_COPY, Strategy.EMBEDDING_PARTIAL})
+"""Strategies whose result is not the state the lost worker had."""
+
+
+class Tier(StrEnum):
+    """Where a rollback's snapshot comes from."""
+
+    PEER = "peer"
+    """Workers' memory: each worker's own copy and its buddy's."""
+    DURABLE = "durable"
+    """Files (torch.distributed.checkpoint), checksummed; survives the driver."""
