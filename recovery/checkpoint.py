@@ -7,8 +7,8 @@ folder that exists is complete. This is what the ``restart`` baseline writes eve
 that the recovery strategies are measured against.
 
 The DCP primitives here (`worker_state_dict`, `load_worker_state`) and the atomic-file
-helpers are shared with the durable snapshot tier (``recovery/snapshots.py``), which adds
-asynchronous writes, checksums and a commit marker on top of the same layout.
+helpers are shared with the durable snapshot tier (``recovery/snapshots/durable.py``),
+which adds asynchronous writes, checksums and a commit marker on top of the same layout.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Snapshots (recovery/snapshots.py): the durable tier on disk, the peer tier's pure pieces.
+"""Snapshots (recovery/snapshots/): the durable tier on disk, the peer tier's pure pieces.
 
 Oracles: bit-exact state (`torch.equal` on every tensor, step counts included) after a
 round trip; corruption is reported by file and never loaded; the buddy ring and the

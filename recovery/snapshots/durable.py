@@ -1,44 +1,18 @@
-"""Snapshots for the ``rollback`` strategy, in two tiers: peer memory and durable files.
+"""The durable snapshot tier: each rank's state written asynchronously with DCP, checksummed.
 
-*Peer memory*: every ``snapshot_every`` steps each worker packs its state into one
-contiguous byte tensor (`pack_state`), keeps that copy itself and sends it to its buddy
-(`buddy_of`), which holds it in `PeerSnapshots`. A rollback to step S needs every rank's
-state at S somewhere alive (`peer_rollback_step`): survivors use their own copies, dead
-workers' replacements get theirs back from the buddy. It survives any failure that does
-not take a worker and its buddy together.
-
-*Durable*: every ``durable_every`` steps each worker writes its state with
+Every ``durable_every`` steps each worker writes its state with
 torch.distributed.checkpoint (DCP) to a folder -- a shared filesystem on a real cluster --
 asynchronously (`DurableStore.write`), with a checksummed manifest; the controller then
 marks the step complete (`DurableStore.commit`). It survives anything, driver death
 included: a re-run with the same run folder resumes from `DurableStore.newest_intact`.
 Corrupted or missing files are found by checksum and never loaded (`SnapshotCorrupted`).
+Which steps may be combined is [Note: snapshot consistency] (``recovery/snapshots/__init__.py``).
 
 Durable layout (``rank_<r>`` as in ``recovery/checkpoint.py``)::
 
     <root>/step_00000200/rank_0000.tmp/   a write in progress (never read)
     <root>/step_00000200/rank_0000/       .metadata, __0_0.distcp (DCP) + MANIFEST.json
     <root>/step_00000200/COMPLETE.json    world size, each rank's manifest digest, meta
-
-[Note: snapshot consistency]
-A snapshot of step S is, for every rank, the state it holds after committing steps
-0..S-1 and before running step S: its step counter (= data cursor) is S, and its RNG
-needs no bytes because every draw derives from ``(seed, stage, replica, step)``
-(``parallelism/seeding.py``). Under the two-phase step (see ``recovery/worker.py``) no
-worker applies step S until every worker is ready, so "the state at S" is one well-defined
-set of world-size states, and each worker's part is labelled with S when it is taken.
-Both `pack_state` and DCP's async staging copy the tensors before returning, so the
-optimizer update that follows cannot leak into a snapshot. Parts are only ever combined
-by label: a durable step is COMPLETE only when the controller has seen every rank's write
-finish and every rank folder and manifest is in place (`DurableStore.commit`; a folder
-without COMPLETE.json is torn and never loaded), and a peer rollback picks a step S for
-which every rank's S-labelled part survives (`peer_rollback_step`). One caveat makes
-labels unambiguous: after a rollback to S, the states of steps after S belong to an
-abandoned timeline (the replay need not reproduce them bit for bit: an approximate
-recovery may come in between), so every snapshot newer than S must be dropped before
-new ones are taken
-(`PeerSnapshots.discard_after`, `DurableStore.discard_after`); otherwise a later rollback
-could mix parts of two timelines under one label.
 """
 
 from __future__ import annotations
@@ -48,14 +22,12 @@ import hashlib
 import json
 import logging
 import os
-import pickle
-import random
 import re
 import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -69,7 +41,7 @@ from torch.distributed.checkpoint.state_dict_saver import (
     AsyncSaveResponse,
 )
 
-from parallelism.topology import Topology
+from parallelism.checks import check_index, check_positive_int
 from recovery.checkpoint import (
     checkpoint_path,
     fsync_dir,
@@ -79,6 +51,18 @@ from recovery.checkpoint import (
     write_json_atomic,
 )
 from recovery.errors import SnapshotCorrupted
+
+__all__ = [
+    "COMPLETE",
+    "DEFAULT_TIMEOUT",
+    "FORMAT",
+    "HASH",
+    "MANIFEST",
+    "DurableStore",
+    "WriteHandle",
+    "WriteResult",
+    "file_digest",
+]
 
 log = logging.getLogger(__name__)
 
@@ -91,23 +75,6 @@ HASH = "sha256"
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 _CHUNK = 4 << 20
 _STEP_DIR = re.compile(r"step_(\d+)")
-
-
-def _check_index(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    return value
-
-
-def _check_positive(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
-# ---------------------------------------------------------------------------------------
-# Durable tier
-# ---------------------------------------------------------------------------------------
 
 
 def file_digest(path: str | os.PathLike[str]) -> str:
@@ -224,8 +191,8 @@ class DurableStore:
         """
         if self._closed:
             raise RuntimeError(f"durable store {self.root} is closed")
-        _check_index(step, "step")
-        _check_index(rank, "rank")
+        check_index("step", step)
+        check_index("rank", rank)
         extra = dict(info or {})
         try:
             json.dumps(extra)
@@ -359,8 +326,8 @@ class DurableStore:
             FileNotFoundError: if some rank's folder or manifest is not in place.
             SnapshotCorrupted: if some rank's manifest is unreadable or for another step.
         """
-        _check_index(step, "step")
-        _check_positive(world_size, "world_size")
+        check_index("step", step)
+        check_positive_int("world_size", world_size)
         body_meta = dict(meta or {})
         try:
             json.dumps(body_meta)
@@ -416,8 +383,8 @@ class DurableStore:
         Raises:
             ValueError: for a bad step or world size.
         """
-        _check_index(step, "step")
-        _check_positive(world_size, "world_size")
+        check_index("step", step)
+        check_positive_int("world_size", world_size)
         complete, problem = self._read_complete(step)
         if complete is None:
             return [problem]
@@ -521,8 +488,8 @@ class DurableStore:
             SnapshotCorrupted: naming the file and the problem (verification failures
                 are found before anything is loaded).
         """
-        _check_index(step, "step")
-        _check_index(rank, "rank")
+        check_index("step", step)
+        check_index("rank", rank)
         complete = self._require_complete(step)
         if rank >= complete["world_size"]:
             raise ValueError(
@@ -557,7 +524,7 @@ class DurableStore:
         Raises:
             ValueError: if ``keep`` is not a positive integer.
         """
-        _check_positive(keep, "keep")
+        check_positive_int("keep", keep)
         complete = self.steps()
         protected = set(complete[:keep])
         for step in complete:
@@ -584,7 +551,7 @@ class DurableStore:
         Raises:
             ValueError: for a negative step.
         """
-        _check_index(step, "step")
+        check_index("step", step)
         removed = [s for s, _ in sorted(self._step_dirs()) if s > step]
         for s in removed:
             self._remove(s)
@@ -670,529 +637,3 @@ class DurableStore:
                     f"{entry[HASH][:12]}..."
                 )
         return problems
-
-
-# ---------------------------------------------------------------------------------------
-# Peer-memory tier
-# ---------------------------------------------------------------------------------------
-
-_RESTARTS = 8  # random restarts of the buddy ring search, for jobs of up to
-_RESTARTS_UP_TO = 64  # this many workers (where they are cheap)
-_ALIGN = 64  # every tensor starts at a multiple of this, so any dtype can view its bytes
-
-
-@dataclass(frozen=True)
-class TensorSlot:
-    """Where one tensor lives inside a `PackedState`'s bytes."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class _Ref:
-    """Stands for tensor ``index`` of the layout inside the optimizer's description."""
-
-    index: int
-
-
-@dataclass(frozen=True, eq=False)
-class PackedState:
-    """A worker's state (module, optimizer, step) as one contiguous byte tensor.
-
-    ``data`` is what travels (a single send/recv); `header` is the small picklable rest.
-    """
-
-    step: int
-    data: torch.Tensor
-    """uint8, 1-D, contiguous: every tensor's bytes, each at a 64-byte-aligned offset."""
-    layout: tuple[TensorSlot, ...]
-    """The model's state_dict tensors (in order), then the optimizer's."""
-    model_tensors: int
-    """How many leading entries of ``layout`` belong to the module."""
-    optimizer: dict[str, Any]
-    """``optimizer.state_dict()`` with every tensor replaced by a reference into ``layout``."""
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.data.numel())
-
-    def header(self) -> bytes:
-        """Everything but ``data``, pickled: send it first, then ``data``."""
-        return pickle.dumps((self.step, self.layout, self.model_tensors, self.optimizer))
-
-    @classmethod
-    def from_parts(cls, header: bytes, data: torch.Tensor) -> PackedState:
-        """Rebuild a packed state from a received `header` and ``data``.
-
-        Raises:
-            ValueError: if ``data`` is not a 1-D uint8 tensor of the size the header needs.
-        """
-        step, layout, model_tensors, optimizer = pickle.loads(header)
-        need = max((s.offset + s.nbytes for s in layout), default=0)
-        if data.dtype != torch.uint8 or data.dim() != 1 or data.numel() < need:
-            raise ValueError(
-                f"packed state data must be 1-D uint8 of at least {need} bytes, got "
-                f"{data.dtype} {tuple(data.shape)}"
-            )
-        return cls(step, data, layout, model_tensors, optimizer)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _flatten(obj: Any, found: list[tuple[str, torch.Tensor]], where: str) -> Any:
-    """``obj`` with every tensor replaced by a `_Ref`; the tensors appended to ``found``."""
-    if isinstance(obj, torch.Tensor):
-        found.append((where, obj))
-        return _Ref(len(found) - 1)
-    if isinstance(obj, dict):
-        return {k: _flatten(v, found, f"{where}.{k}") for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_flatten(v, found, f"{where}.{i}") for i, v in enumerate(obj))
-    return obj
-
-
-def _unflatten(obj: Any, tensor: Callable[[int], torch.Tensor]) -> Any:
-    if isinstance(obj, _Ref):
-        return tensor(obj.index)
-    if isinstance(obj, dict):
-        return {k: _unflatten(v, tensor) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_unflatten(v, tensor) for v in obj)
-    return obj
-
-
-def _view(data: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
-    raw = data[slot.offset : slot.offset + slot.nbytes]
-    return raw.view(getattr(torch, slot.dtype)).view(slot.shape)
-
-
-def pack_state(
-    module: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    step: int,
-    *,
-    device: torch.device | str = "cpu",
-    out: torch.Tensor | None = None,
-) -> PackedState:
-    """Copy a worker's state into one contiguous byte tensor on ``device`` (host memory by
-    default: that is where a buddy keeps it). The copy is taken now; later updates to
-    the module or optimizer do not change it.
-
-    Args:
-        out: a byte tensor to pack into (the data of a snapshot no longer needed) instead
-            of allocating: copying into memory already touched is ~3x faster on CPU than
-            into fresh pages. Used when it is a 1-D uint8 tensor on ``device`` that is
-            large enough, ignored otherwise. Nothing else may still read it.
-
-    Raises:
-        ValueError: for a negative step.
-    """
-    _check_index(step, "step")
-    tensors: list[tuple[str, torch.Tensor]] = list(module.state_dict().items())
-    model_tensors = len(tensors)
-    optimizer_desc = _flatten(optimizer.state_dict(), tensors, "optimizer")
-    layout = []
-    offset = 0
-    for name, t in tensors:
-        offset = -(-offset // _ALIGN) * _ALIGN
-        nbytes = t.numel() * t.element_size()
-        layout.append(TensorSlot(name, tuple(t.shape), _dtype_name(t.dtype), offset, nbytes))
-        offset += nbytes
-    usable = (
-        out is not None
-        and out.dtype == torch.uint8
-        and out.dim() == 1
-        and out.device == torch.device(device)
-        and out.numel() >= offset
-    )
-    data = (
-        out[:offset]
-        if out is not None and usable
-        else torch.empty(offset, dtype=torch.uint8, device=device)
-    )
-    with torch.no_grad():
-        for slot, (_, t) in zip(layout, tensors, strict=True):
-            if slot.nbytes:
-                flat = t.detach().reshape(-1).view(torch.uint8)
-                data[slot.offset : slot.offset + slot.nbytes].copy_(flat)
-    return PackedState(step, data, tuple(layout), model_tensors, optimizer_desc)
-
-
-def unpack_state(packed: PackedState, module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Replace ``module``'s and ``optimizer``'s state with ``packed``'s, bit for bit.
-    Returns its step. The result shares no memory with ``packed``.
-
-    Raises:
-        ValueError: if ``packed`` is another stage's or model's state (different names,
-            shapes, dtypes or parameter groups), before anything is changed.
-    """
-    model = module.state_dict()
-    expected = [(k, tuple(v.shape), _dtype_name(v.dtype)) for k, v in model.items()]
-    got = [(s.name, s.shape, s.dtype) for s in packed.layout[: packed.model_tensors]]
-    if expected != got:
-        diff = next(
-            (f"{e} vs {g}" for e, g in zip(expected, got, strict=False) if e != g),
-            f"{len(expected)} tensors vs {len(got)}",
-        )
-        raise ValueError(f"packed state does not match this module: first difference {diff}")
-    groups = [len(g["params"]) for g in optimizer.param_groups]
-    packed_groups = [len(g["params"]) for g in packed.optimizer["param_groups"]]
-    if groups != packed_groups:
-        raise ValueError(
-            f"packed optimizer state has parameter groups of sizes {packed_groups}, this "
-            f"optimizer {groups}"
-        )
-    with torch.no_grad():
-        for slot, key in zip(packed.layout, model, strict=False):
-            model[key].copy_(_view(packed.data, slot))
-    # Optimizer.load_state_dict keeps tensors that already have the right dtype and
-    # device, so each one is cloned: the snapshot must stay unchanged by later steps.
-    state = _unflatten(packed.optimizer, lambda i: _view(packed.data, packed.layout[i]).clone())
-    optimizer.load_state_dict(state)
-    return packed.step
-
-
-def _same_node_critical(topology: Topology, node_of: Mapping[int, str]) -> set[str]:
-    """Nodes that host every replica of some stage: losing one forces a rollback."""
-    critical = set()
-    for stage in range(topology.stages):
-        nodes = {node_of[r] for r in topology.stage_group(stage)}
-        if len(nodes) == 1:
-            critical |= nodes
-    return critical
-
-
-class _RingCost:
-    """Cost of a ring (see `buddy_ring`): the sum over consecutive pairs of
-    ``(n + 1) * (same stage or same critical node) + same node``, so that any ring with
-    fewer pairs of the first kind costs less."""
-
-    def __init__(self, topology: Topology, node_of: Mapping[int, str]) -> None:
-        n = topology.world_size
-        critical = _same_node_critical(topology, node_of)
-        self.stage = [topology.worker(r).stage for r in range(n)]
-        self.node = [node_of[r] for r in range(n)]
-        self.weight = n + 1
-        self.critical = [self.node[r] in critical for r in range(n)]
-
-    def pair(self, a: int, b: int) -> int:
-        same_node = self.node[a] == self.node[b]
-        severe = self.stage[a] == self.stage[b] or (same_node and self.critical[a])
-        return severe * self.weight + same_node
-
-    def total(self, ring: list[int]) -> int:
-        return sum(self.pair(ring[i - 1], ring[i]) for i in range(len(ring)))
-
-    def lower_bound(self) -> int:
-        """No ring costs less: a group of ``m`` of the ``n`` ranks (a stage, a node) has at
-        least ``2m - n`` of its members followed by a member."""
-        n = len(self.stage)
-
-        def excess(labels: Iterable[object]) -> int:
-            counts: dict[object, int] = {}
-            for label in labels:
-                counts[label] = counts.get(label, 0) + 1
-            return max(0, 2 * max(counts.values(), default=0) - n)
-
-        critical = excess(node for node, c in zip(self.node, self.critical, strict=True) if c)
-        return max(excess(self.stage), critical) * self.weight + excess(self.node)
-
-    def greedy(self, first: int) -> list[int]:
-        """Nearest-neighbour ring from ``first``: each next rank is a cheapest one, ties
-        going to the node (then the stage) with the most ranks left, so that no node's
-        ranks are left to the end to sit side by side."""
-        n = len(self.stage)
-        left = set(range(n)) - {first}
-        per_node: dict[str, int] = {}
-        per_stage: dict[int, int] = {}
-        for r in left:
-            per_node[self.node[r]] = per_node.get(self.node[r], 0) + 1
-            per_stage[self.stage[r]] = per_stage.get(self.stage[r], 0) + 1
-        ring = [first]
-        while left:
-            last = ring[-1]
-            nxt = min(
-                left,
-                key=lambda r: (
-                    self.pair(last, r),
-                    -per_node[self.node[r]],
-                    -per_stage[self.stage[r]],
-                    r,
-                ),
-            )
-            left.remove(nxt)
-            per_node[self.node[nxt]] -= 1
-            per_stage[self.stage[nxt]] -= 1
-            ring.append(nxt)
-        return ring
-
-    def improve(self, ring: list[int]) -> list[int]:
-        """Local search from ``ring``: while some move lowers the cost, apply it. Moves
-        start at a costly pair: reverse a segment (2-opt) or swap one of its ranks. Each
-        move lowers the (integer) cost, so the search ends."""
-        n = len(ring)
-        improved = True
-        while improved:
-            improved = False
-            for e in range(n):
-                if self.pair(ring[e], ring[(e + 1) % n]) and self._move(ring, e):
-                    improved = True
-        return ring
-
-    def _move(self, ring: list[int], e: int) -> bool:
-        """Apply one cost-lowering move at the costly pair ``(ring[e], ring[e+1])``."""
-        n = len(ring)
-        pair = self.pair
-        a, b = ring[e], ring[(e + 1) % n]
-        for f in range(n):  # 2-opt: reverse ring[e+1 .. f]
-            c, d = ring[f], ring[(f + 1) % n]
-            if f == e or pair(a, c) + pair(b, d) >= pair(a, b) + pair(c, d):
-                continue
-            i, j = (e + 1) % n, f
-            if i <= j:
-                ring[i : j + 1] = ring[i : j + 1][::-1]
-            else:  # the segment wraps: reverse it in place through the seam
-                seg = [ring[k % n] for k in range(i, j + n + 1)][::-1]
-                for k, r in zip(range(i, j + n + 1), seg, strict=True):
-                    ring[k % n] = r
-            return True
-        for i in (e, (e + 1) % n):  # swap an end of the costly pair with any rank
-            for j in range(n):
-                if j == i:
-                    continue
-                before = self._around(ring, (i, j))
-                ring[i], ring[j] = ring[j], ring[i]
-                if self._around(ring, (i, j)) < before:
-                    return True
-                ring[i], ring[j] = ring[j], ring[i]
-        return False
-
-    def _around(self, ring: list[int], positions: tuple[int, int]) -> int:
-        """Cost of the pairs that touch ``positions``."""
-        n = len(ring)
-        edges = {(p - 1) % n for p in positions} | {p % n for p in positions}
-        return sum(self.pair(ring[e], ring[(e + 1) % n]) for e in edges)
-
-
-def buddy_ring(topology: Topology, node_of: Mapping[int, str]) -> tuple[int, ...]:
-    """The ring of peer snapshots: rank ``ring[i]``'s state is held by ``ring[i + 1]``.
-
-    The rule follows from what the peer tier must survive. A rollback is only needed
-    when some stage has lost every replica (otherwise ``replica_copy`` rebuilds the lost
-    workers exactly and no snapshot is read), so above all a buddy must not share with
-    its ward (1) a stage -- the stage group's loss would take both -- or (2) a node that
-    hosts every replica of some stage -- that node's loss forces a rollback and takes
-    both. Among the rings with the fewest such pairs, it takes one with (3) the fewest
-    same-node pairs, for failures that combine a node with more. So:
-
-    - one node: the buddy is the next rank (a different stage whenever there are 2+);
-    - ``place()``'s layout on 2+ nodes: buddies on other nodes and of other stages,
-      except where node sizes make that impossible (one node holds more than half of
-      the workers: the fewest same-node pairs possible), and with 2 stages on 2 nodes,
-      where nodes and stages cannot both alternate and the ring keeps stages apart;
-    - a stage on a single node (e.g. one replica): that node is avoided like a stage.
-
-    The search is deterministic, the same in every process: three candidate orders
-    (rank order, nodes interleaved, greedy) improved by 2-opt and swap moves, plus a few
-    seeded restarts for jobs of up to 64 workers. It matched brute force on every job of
-    up to 8 workers tried (tests/test_snapshots.py checks up to 6) and takes ~1 s for 256.
-
-    Raises:
-        ValueError: if ``node_of`` lacks some rank.
-    """
-    n = topology.world_size
-    missing = [r for r in range(n) if r not in node_of]
-    if missing:
-        raise ValueError(f"node_of has no node for ranks {missing}")
-    natural = list(range(n))
-    if len({node_of[r] for r in natural}) == 1:
-        return tuple(natural)
-    cost = _RingCost(topology, node_of)
-    groups: dict[str, list[int]] = {}
-    for r in natural:
-        groups.setdefault(node_of[r], []).append(r)
-    by_size = sorted(groups.values(), key=lambda g: (-len(g), g[0]))
-    ordered = [r for g in by_size for r in g]
-    # Fill even positions, then odd ones: no two neighbours share a node unless one node
-    # holds more than half of the ranks.
-    interleaved = [0] * n
-    positions = list(range(0, n, 2)) + list(range(1, n, 2))
-    for pos, r in zip(positions, ordered, strict=True):
-        interleaved[pos] = r
-    candidates = (natural, interleaved, cost.greedy(0))
-    best = min((cost.improve(c) for c in candidates), key=cost.total)
-    shuffler = random.Random(0)  # fixed seed: every process computes the same ring
-    bound = cost.lower_bound()
-    for _ in range(_RESTARTS if n <= _RESTARTS_UP_TO else 0):
-        if cost.total(best) <= bound:
-            break
-        candidate = cost.improve(shuffler.sample(natural, n))
-        if cost.total(candidate) < cost.total(best):
-            best = candidate
-    return tuple(best)
-
-
-def buddies(topology: Topology, node_of: Mapping[int, str]) -> dict[int, int]:
-    """Every rank's buddy (the rank that holds its peer snapshot). See `buddy_ring`.
-
-    Raises:
-        ValueError: if ``node_of`` lacks some rank.
-    """
-    ring = buddy_ring(topology, node_of)
-    return {ring[i]: ring[(i + 1) % len(ring)] for i in range(len(ring))}
-
-
-def buddy_of(rank: int, topology: Topology, node_of: Mapping[int, str]) -> int:
-    """The rank that holds ``rank``'s peer snapshot: the next one on `buddy_ring`.
-
-    In a one-worker job that is the worker itself (nothing survives its loss).
-
-    Raises:
-        ValueError: if ``rank`` is outside the job or ``node_of`` lacks some rank.
-    """
-    topology.worker(rank)  # validates
-    return buddies(topology, node_of)[rank]
-
-
-class PeerSnapshots:
-    """The packed states one worker holds: its own and its ward's, for a few steps.
-
-    Keeps at most ``keep`` steps (default 2: the newest consistent snapshot survives
-    while the next one is being taken); putting a newer step evicts the oldest. Once the
-    controller knows a step is held everywhere, `drop_before` frees the older ones.
-    Thread-safe: the exchange may run beside training.
-
-    Raises:
-        ValueError: if ``keep`` is not a positive integer.
-    """
-
-    def __init__(self, keep: int = 2) -> None:
-        self.keep = _check_positive(keep, "keep")
-        self._held: dict[int, dict[int, PackedState]] = {}
-        self._lock = threading.Lock()
-
-    def put(self, step: int, rank: int, packed: PackedState) -> list[int]:
-        """Hold rank ``rank``'s state at ``step``. Returns the steps evicted to make room.
-
-        Raises:
-            ValueError: if ``packed`` is of another step, or ``step`` is older than every
-                held step while ``keep`` are held (it would be evicted at once).
-        """
-        _check_index(step, "step")
-        _check_index(rank, "rank")
-        if packed.step != step:
-            raise ValueError(f"packed state is of step {packed.step}, not {step}")
-        with self._lock:
-            evicted = []
-            if step not in self._held:
-                if len(self._held) >= self.keep and step < min(self._held):
-                    raise ValueError(
-                        f"step {step} is older than every held step {sorted(self._held)}; "
-                        "after a rollback, discard_after(rollback step) first"
-                    )
-                while len(self._held) >= self.keep:
-                    oldest = min(self._held)
-                    del self._held[oldest]
-                    evicted.append(oldest)
-            self._held.setdefault(step, {})[rank] = packed
-            return evicted
-
-    def get(self, step: int, rank: int) -> PackedState:
-        """Rank ``rank``'s state at ``step``.
-
-        Raises:
-            KeyError: if it is not held here.
-        """
-        with self._lock:
-            try:
-                return self._held[step][rank]
-            except KeyError:
-                raise KeyError(
-                    f"no peer snapshot of rank {rank} at step {step} here "
-                    f"(held: {self._describe()})"
-                ) from None
-
-    def steps(self, rank: int | None = None) -> list[int]:
-        """Steps held (for ``rank`` only, if given), newest first."""
-        with self._lock:
-            return sorted(
-                (s for s, ranks in self._held.items() if rank is None or rank in ranks),
-                reverse=True,
-            )
-
-    def holdings(self) -> dict[int, frozenset[int]]:
-        """For each rank held here, the steps held: what `peer_rollback_step` needs."""
-        with self._lock:
-            out: dict[int, set[int]] = {}
-            for step, ranks in self._held.items():
-                for rank in ranks:
-                    out.setdefault(rank, set()).add(step)
-            return {rank: frozenset(steps) for rank, steps in out.items()}
-
-    def drop_before(self, step: int) -> list[int]:
-        """Free every step older than ``step``. Returns the steps dropped."""
-        with self._lock:
-            dropped = sorted(s for s in self._held if s < step)
-            for s in dropped:
-                del self._held[s]
-            return dropped
-
-    def discard_after(self, step: int) -> list[int]:
-        """Drop every step newer than ``step`` (after a rollback to it; see
-        [Note: snapshot consistency]). Returns the steps dropped."""
-        with self._lock:
-            dropped = sorted(s for s in self._held if s > step)
-            for s in dropped:
-                del self._held[s]
-            return dropped
-
-    def nbytes(self) -> int:
-        """Bytes of the packed states held."""
-        with self._lock:
-            return sum(p.nbytes for ranks in self._held.values() for p in ranks.values())
-
-    def _describe(self) -> str:
-        return (
-            ", ".join(f"step {s}: ranks {sorted(r)}" for s, r in sorted(self._held.items()))
-            or "nothing"
-        )
-
-
-def peer_rollback_step(
-    alive: set[int],
-    held: Mapping[int, Mapping[int, Iterable[int]]],
-    own: Mapping[int, Iterable[int]],
-    world_size: int,
-) -> int | None:
-    """The newest step S at which every rank's state survives somewhere alive, or None.
-
-    Rank ``r``'s state at S survives if ``r`` is alive and kept its own copy
-    (``S in own[r]``) or some live holder ``h`` holds it (``S in held[h][r]``). Entries of
-    dead workers are ignored. Survivors roll back from their own copies; each dead rank's
-    replacement receives its state from a live holder.
-
-    Raises:
-        ValueError: for a world size below 1 or a rank outside ``0..world_size-1``.
-    """
-    _check_positive(world_size, "world_size")
-    ranks = set(range(world_size))
-    mentioned = set(alive) | set(held) | set(own)
-    for ward_steps in held.values():
-        mentioned |= set(ward_steps)
-    if not mentioned <= ranks:
-        raise ValueError(f"ranks {sorted(mentioned - ranks)} outside a job of {world_size}")
-    available: dict[int, set[int]] = {r: set() for r in ranks}
-    for rank in alive:
-        available[rank] |= set(own.get(rank, ()))
-    for holder, wards in held.items():
-        if holder in alive:
-            for ward, steps in wards.items():
-                available[ward] |= set(steps)
-    common = set.intersection(*available.values())
-    return max(common, default=None)
