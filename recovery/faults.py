@@ -22,6 +22,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
+from parallelism.checks import check_index
 from parallelism.topology import Topology
 
 
@@ -45,11 +46,6 @@ class KillPoint(str, enum.Enum):
     """Right after applying the step, before acknowledging it."""
 
 
-def _non_negative(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-
-
 @dataclass(frozen=True, kw_only=True)
 class _AtWorker:
     """A fault that strikes worker ``(stage, replica)`` at point ``at`` of step ``step``."""
@@ -64,7 +60,7 @@ class _AtWorker:
 
     def __post_init__(self) -> None:
         for name in ("step", "stage", "replica"):
-            _non_negative(name, getattr(self, name))
+            check_index(name, getattr(self, name))
         object.__setattr__(self, "at", _point(self.at))
 
     def __str__(self) -> str:
@@ -104,8 +100,8 @@ class KillNode:
     node: int
 
     def __post_init__(self) -> None:
-        _non_negative("step", self.step)
-        _non_negative("node", self.node)
+        check_index("step", self.step)
+        check_index("node", self.node)
 
     def __str__(self) -> str:
         return f"killnode:step={self.step},node={self.node}"

@@ -52,7 +52,7 @@ def test_parse_rejects_bad_text(text: str, message: str) -> None:
 
 
 def test_faults_validate_their_fields() -> None:
-    with pytest.raises(ValueError, match="step must be a non-negative integer"):
+    with pytest.raises(ValueError, match="step must be an integer >= 0"):
         Kill(step=-1, stage=0, replica=0)
     with pytest.raises(ValueError, match="unknown kill point"):
         Hang(step=1, stage=0, replica=0, at="sometime")  # type: ignore[arg-type]

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from parallelism.checks import check_number, check_positive_int
 from parallelism.engine import clip_gradients
 from recovery.errors import RedundancyExhausted
 
@@ -126,14 +127,7 @@ class CheckFreeConfig:
                 f"CheckFreeConfig averaging must be one of {known}; got {self.averaging!r}"
             ) from None
         for name in ("lr_scale", "eps"):
-            value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or not math.isfinite(value)
-                or value <= 0
-            ):
-                raise ValueError(f"CheckFreeConfig {name} must be a positive number, got {value!r}")
+            check_number(f"CheckFreeConfig {name}", getattr(self, name), positive=True)
         if (
             isinstance(self.rewarm_steps, bool)
             or not isinstance(self.rewarm_steps, int)
@@ -594,14 +588,7 @@ class GradNormTracker:
     norms: list[float | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.num_stages, bool)
-            or not isinstance(self.num_stages, int)
-            or self.num_stages < 1
-        ):
-            raise ValueError(
-                f"GradNormTracker num_stages must be a positive integer, got {self.num_stages!r}"
-            )
+        check_positive_int("GradNormTracker num_stages", self.num_stages)
         if not self.norms:
             self.norms = [None] * self.num_stages
         if len(self.norms) != self.num_stages:

@@ -62,6 +62,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from parallelism.checks import check_fraction, check_index, check_number, check_positive_int
+
 __all__ = [
     "EMBEDDING_POLICIES",
     "MFUTracker",
@@ -107,8 +109,7 @@ class MFUTracker:
     """
 
     def __init__(self, num_rows: int, counts: Tensor | None = None) -> None:
-        if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 1:
-            raise ValueError(f"num_rows must be a positive integer, got {num_rows!r}")
+        check_positive_int("num_rows", num_rows)
         if counts is not None and (counts.shape != (num_rows,) or counts.dtype != torch.int64):
             raise ValueError(
                 f"counts must be [{num_rows}] int64, got {tuple(counts.shape)} {counts.dtype}"
@@ -136,8 +137,7 @@ class MFUTracker:
         Raises:
             ValueError: if ``k`` is negative.
         """
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ValueError(f"k must be a non-negative integer, got {k!r}")
+        check_index("k", k)
         k = min(k, self.num_rows)
         if k == 0:
             return torch.zeros(0, dtype=torch.int64)
@@ -150,11 +150,6 @@ class MFUTracker:
 
 
 # ---- the mirror ------------------------------------------------------------------------
-
-
-def _positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,8 +176,8 @@ class MirrorPlan:
             raise ValueError(f"hot_rows must be an integer, got {self.hot_rows!r}")
         if self.hot_rows < 0:
             raise ValueError(f"hot_rows must be >= 0, got {self.hot_rows}")
-        _positive_int("mirror_every", self.mirror_every)
-        _positive_int("hot_every", self.hot_every)
+        check_positive_int("mirror_every", self.mirror_every)
+        check_positive_int("hot_every", self.hot_every)
 
     def is_full(self, committed: int) -> bool:
         """Whether the update after ``committed`` committed steps carries every row."""
@@ -361,12 +356,9 @@ def mirror_cost(
     Raises:
         ValueError: for a non-positive size or a negative rate.
     """
-    _positive_int("num_rows", num_rows)
-    _positive_int("dim", dim)
-    if not (math.isfinite(updated_rows_per_step) and updated_rows_per_step >= 0):
-        raise ValueError(
-            f"updated_rows_per_step must be a finite number >= 0, got {updated_rows_per_step!r}"
-        )
+    check_positive_int("num_rows", num_rows)
+    check_positive_int("dim", dim)
+    check_number("updated_rows_per_step", updated_rows_per_step, minimum=0)
     row = 4 * dim + 4  # weight row + row-wise Adagrad state, float32
     hot = min(plan.hot_rows, num_rows)
     hot_bytes = hot * (row + _INDEX_BYTES)
@@ -633,9 +625,8 @@ def portion_of_lost_samples(lost_lookups: int, *, lookups_per_sample: int, sampl
     """
     if lost_lookups < 0:
         raise ValueError(f"lost_lookups must be >= 0, got {lost_lookups}")
-    _positive_int("lookups_per_sample", lookups_per_sample)
-    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
-        raise ValueError(f"samples must be a non-negative integer, got {samples!r}")
+    check_positive_int("lookups_per_sample", lookups_per_sample)
+    check_index("samples", samples)
     if samples == 0:
         return 0.0 if lost_lookups == 0 else math.inf
     return lost_lookups / lookups_per_sample / samples
@@ -654,10 +645,8 @@ def decide(embedding: str, *, pls: float, budget: float) -> Literal["partial", "
     """
     if embedding not in EMBEDDING_POLICIES:
         raise ValueError(f"embedding must be one of {EMBEDDING_POLICIES}, got {embedding!r}")
-    if not (isinstance(budget, int | float) and 0 <= budget <= 1):
-        raise ValueError(f"PLS budget must be in [0, 1], got {budget!r}")
-    if not (isinstance(pls, int | float) and pls >= 0):
-        raise ValueError(f"pls must be a number >= 0, got {pls!r}")
+    check_fraction("PLS budget", budget)
+    check_number("pls", pls, minimum=0, allow_inf=True)
     if embedding == "exact":
         return "partial" if pls == 0 else "rollback"
     return "partial" if pls <= budget else "rollback"
