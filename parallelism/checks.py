@@ -2,12 +2,15 @@
 
 Each raises `ValueError` naming the field and the bad value, and returns the value, so a
 ``__post_init__`` reads as a list of checks. ``bool`` is never accepted as a number (it is
-an ``int`` subclass, and ``True`` as a step count is always a mistake).
+an ``int`` subclass, and ``True`` as a step count is always a mistake); integers of
+other kinds (``numpy.int64``, any ``numbers.Integral``) are, as data coordinates often
+come from arrays.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 
 __all__ = [
     "check_fraction",
@@ -19,10 +22,12 @@ __all__ = [
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def check_int(name: str, value: object, *, minimum: int | None = None, optional: bool = False) -> int:
+def check_int(
+    name: str, value: object, *, minimum: int | None = None, optional: bool = False
+) -> int:
     """``value`` as an int of at least ``minimum`` (None allowed when ``optional``).
 
     Raises:
@@ -95,7 +100,9 @@ def check_number(
     return float(value)  # type: ignore[arg-type]
 
 
-def check_fraction(name: str, value: object, *, open_low: bool = False, open_high: bool = False) -> float:
+def check_fraction(
+    name: str, value: object, *, open_low: bool = False, open_high: bool = False
+) -> float:
     """``value`` as a number in ``[0, 1]`` (ends excluded where ``open_*``).
 
     Raises:
