@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from parallelism.clicks import ClickBatch
-from parallelism.dlrm import DLRMTraining
 from parallelism.schedule import SCHEDULES
 from parallelism.seeding import seed_everything
 from parallelism.topology import Topology
+from parallelism.workloads.clicks import ClickBatch
+from parallelism.workloads.dlrm import DLRMTraining
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 BatchFn = Callable[[int, int, int], Batch | ClickBatch]
@@ -82,7 +82,7 @@ class TrainSpec:
     """A recommendation model with row-sharded embedding tables (`TrainSpec.dlrm`): every
     worker holds one shard of every table and a replica of the dense part; the topology
     is one stage by ``replicas`` workers; ``batches`` returns a
-    `parallelism.clicks.ClickBatch`. None: a pipeline of ``build_stage`` modules."""
+    `parallelism.workloads.clicks.ClickBatch`. None: a pipeline of ``build_stage`` modules."""
     name: str = "custom"
     """A short name for logs and summaries."""
 
@@ -189,7 +189,7 @@ class TrainSpec:
         return sum(int(t.numel()) for t in targets) * topology.replicas
 
     def _check_tables(self, topology: Topology) -> int:
-        from parallelism.dlrm import ShardLayout
+        from parallelism.workloads.dlrm import ShardLayout
 
         assert self.tables is not None
         if topology.stages != 1:
@@ -235,19 +235,19 @@ class TrainSpec:
 
         Args:
             preset: model size, ``"tiny"`` (tests) or ``"small"`` (387,500 rows, 8 tables).
-            data: a Criteo-format TSV file (see `parallelism.clicks.read_criteo`; the
+            data: a Criteo-format TSV file (see `parallelism.workloads.clicks.read_criteo`; the
                 model's tables must then number 26 with 13 dense features); by default
                 generated click logs with Zipf ids and a planted truth.
             batch_size: samples per worker per step.
             sparse_lr, dense_lr: row-wise Adagrad of the rows, Adam of the dense part.
             categorical: how the Criteo file names rows, ``"hash"`` or ``"index"``.
-            config_overrides: fields of `parallelism.dlrm.DLRMConfig` to change.
+            config_overrides: fields of `parallelism.workloads.dlrm.DLRMConfig` to change.
 
         Raises:
             ValueError: for an unknown preset, a bad size, or a bad data file.
         """
-        from parallelism.clicks import ClickDataset, ClickLogs, read_criteo
-        from parallelism.dlrm import DLRMConfig, dlrm_loss
+        from parallelism.workloads.clicks import ClickDataset, ClickLogs, read_criteo
+        from parallelism.workloads.dlrm import DLRMConfig, dlrm_loss
 
         config = DLRMConfig.preset(preset, **config_overrides)
         source: ClickLogs | ClickDataset
@@ -321,8 +321,8 @@ class TrainSpec:
         Raises:
             ValueError: for an unknown preset, a bad size, or a missing data file.
         """
-        from parallelism.data import LMBatches, TokenCorpus
-        from parallelism.llama import (
+        from parallelism.workloads.data import LMBatches, TokenCorpus
+        from parallelism.workloads.llama import (
             LlamaConfig,
             build_llama_stage,
             edge_replica_keys,
@@ -373,7 +373,7 @@ class TrainSpec:
 
 def _dense_stage(config: object, stage: int, num_stages: int) -> nn.Module:
     """The dense part of a DLRM (what ``build_stage`` names for a sharded-table model)."""
-    from parallelism.dlrm import DenseDLRM
+    from parallelism.workloads.dlrm import DenseDLRM
 
     return DenseDLRM(config)  # type: ignore[arg-type]
 

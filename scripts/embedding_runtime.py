@@ -31,13 +31,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import torch
 
 from parallelism import Topology
-from parallelism.clicks import ClickLogs
-from parallelism.dlrm import (
+from parallelism.workloads.clicks import ClickLogs
+from parallelism.workloads.dlrm import (
     DenseDLRM,
     ShardLayout,
     assemble_tables,

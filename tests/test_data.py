@@ -1,4 +1,4 @@
-"""Tests of the deterministic language-model data in `parallelism.data`."""
+"""Tests of the deterministic language-model data in `parallelism.workloads.data`."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-import parallelism.data as data_module
-from parallelism.data import LMBatches, TokenCorpus
+import parallelism.workloads.data as data_module
+from parallelism.workloads.data import LMBatches, TokenCorpus
 
 
 @pytest.fixture(scope="module")
@@ -205,11 +205,11 @@ def test_validation_batches_come_from_the_held_out_part(tmp_path: Path) -> None:
 
 def test_batch_argument_checks(stdlib: TokenCorpus, text_corpus: TokenCorpus) -> None:
     batches = _batches(stdlib)
-    with pytest.raises(ValueError, match=r"replica must be in 0\.\.1, got 2"):
+    with pytest.raises(ValueError, match=r"replica must be an integer in \[0, 2\), got 2"):
         batches(0, 2, 2)
-    with pytest.raises(ValueError, match="step must be in a non-negative integer, got -1"):
+    with pytest.raises(ValueError, match="step must be an integer >= 0, got -1"):
         batches(-1, 0, 1)
-    with pytest.raises(ValueError, match=r"microbatch must be in 0\.\.3, got 4"):
+    with pytest.raises(ValueError, match=r"microbatch must be an integer in \[0, 4\), got 4"):
         batches.microbatch(0, 0, 4)
     with pytest.raises(ValueError, match="split must be 'train' or 'val'"):
         batches.microbatch(0, 0, 0, split="test")

@@ -1,4 +1,4 @@
-"""Tests of the row-sharded DLRM in `parallelism.dlrm`: layout, exchange, trainer, metrics."""
+"""Tests of the row-sharded DLRM in `parallelism.workloads.dlrm`: layout, exchange, trainer, metrics."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallelism.clicks import ClickBatch, ClickLogs
 from parallelism.comm import host_store
-from parallelism.dlrm import (
+from parallelism.workloads.clicks import ClickBatch, ClickLogs
+from parallelism.workloads.dlrm import (
     DLRM,
     DLRMConfig,
     DLRMWorker,

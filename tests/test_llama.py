@@ -1,4 +1,4 @@
-"""Tests of the pipeline-stageable LLaMA-style decoder in `parallelism.llama`."""
+"""Tests of the pipeline-stageable LLaMA-style decoder in `parallelism.workloads.llama`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from parallelism.llama import (
+from parallelism.workloads.llama import (
     LlamaConfig,
     LlamaStage,
     TransformerBlock,

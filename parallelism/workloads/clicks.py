@@ -11,7 +11,7 @@ restored rows shows up as lost accuracy.
 
 `read_criteo` reads the Criteo TSV format (label, 13 integer features, 26 categorical
 ones) into a `ClickBatch`, and `ClickDataset` serves batches from one. Both sources serve
-batches the way `parallelism.data.LMBatches` does: a pure function of ``(step, replica,
+batches the way `parallelism.workloads.data.LMBatches` does: a pure function of ``(step, replica,
 microbatch)``, so a step re-run after a failure sees exactly the data it saw the first
 time and the data cursor is just the step number.
 
@@ -42,6 +42,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
+
+from parallelism.checks import check_index, check_positive_int
 
 __all__ = [
     "CRITEO_DENSE",
@@ -141,9 +143,9 @@ class _ClickSource(abc.ABC):
         """
         if split not in _SPLITS:
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-        _check_index("step", step)
-        _check_index("replica", replica)
-        _check_index("microbatch", microbatch, self.microbatches)
+        check_index("step", step)
+        check_index("replica", replica)
+        check_index("microbatch", microbatch, self.microbatches)
         key = [self.seed, _SPLITS[split], int(step), int(replica), int(microbatch)]
         return self._draw(split, key, self.batch_size)
 
@@ -153,8 +155,8 @@ class _ClickSource(abc.ABC):
         Raises:
             ValueError: if ``replica`` is outside ``0..num_replicas-1`` or ``step`` < 0.
         """
-        _check_positive_int("num_replicas", num_replicas)
-        _check_index("replica", replica, num_replicas)
+        check_positive_int("num_replicas", num_replicas)
+        check_index("replica", replica, num_replicas)
         return ClickBatch.cat(
             [self.microbatch(step, replica, mb) for mb in range(self.microbatches)]
         )
@@ -165,8 +167,8 @@ class _ClickSource(abc.ABC):
         Raises:
             ValueError: if ``replica`` is outside ``0..num_replicas-1`` or ``index`` < 0.
         """
-        _check_positive_int("num_replicas", num_replicas)
-        _check_index("replica", replica, num_replicas)
+        check_positive_int("num_replicas", num_replicas)
+        check_index("replica", replica, num_replicas)
         return ClickBatch.cat(
             [self.microbatch(index, replica, mb, split="val") for mb in range(self.microbatches)]
         )
@@ -177,7 +179,7 @@ class _ClickSource(abc.ABC):
         Raises:
             ValueError: if ``samples`` is not a positive integer.
         """
-        _check_positive_int("samples", samples)
+        check_positive_int("samples", samples)
         return self._draw("val", [self.seed, len(_SPLITS), samples], samples, fixed=True)
 
 
@@ -221,14 +223,14 @@ class ClickLogs(_ClickSource):
         if not rows:
             raise ValueError("table_rows must name at least one table")
         for t, n in enumerate(rows):
-            _check_positive_int(f"table_rows[{t}]", n)
+            check_positive_int(f"table_rows[{t}]", n)
         for name, value in (
             ("dense_features", dense_features),
             ("batch_size", batch_size),
             ("microbatches", microbatches),
             ("latent_dim", latent_dim),
         ):
-            _check_positive_int(name, value)
+            check_positive_int(name, value)
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         for name, number in (("zipf_alpha", zipf_alpha), ("signal", signal)):
@@ -358,8 +360,8 @@ class ClickDataset(_ClickSource):
         seed: int = 0,
         val_fraction: float = 0.1,
     ) -> None:
-        _check_positive_int("batch_size", batch_size)
-        _check_positive_int("microbatches", microbatches)
+        check_positive_int("batch_size", batch_size)
+        check_positive_int("microbatches", microbatches)
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         if not (isinstance(val_fraction, int | float) and 0 < val_fraction < 1):
@@ -426,13 +428,13 @@ def read_criteo(
     if not rows:
         raise ValueError("table_rows must name at least one table")
     for t, n in enumerate(rows):
-        _check_positive_int(f"table_rows[{t}]", n)
+        check_positive_int(f"table_rows[{t}]", n)
     if isinstance(dense_features, bool) or not isinstance(dense_features, int):
         raise ValueError(f"dense_features must be an integer, got {dense_features!r}")
     if dense_features < 0:
         raise ValueError(f"dense_features must be >= 0, got {dense_features}")
     if max_lines is not None:
-        _check_positive_int("max_lines", max_lines)
+        check_positive_int("max_lines", max_lines)
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"Criteo file {path} does not exist (resolved to {p.absolute()})")
@@ -502,19 +504,3 @@ def _category(text: str, rows: int, mode: str, where: str, table: int) -> int:
             f"{rows} rows (0..{rows - 1}); pass larger table_rows or categorical='hash'"
         )
     return value
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _check_index(name: str, value: object, bound: int | None = None) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | np.integer)
-        or value < 0
-        or (bound is not None and value >= bound)
-    ):
-        where = f"0..{bound - 1}" if bound is not None else "a non-negative integer"
-        raise ValueError(f"{name} must be in {where}, got {value!r}")

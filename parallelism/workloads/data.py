@@ -31,6 +31,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from parallelism.checks import check_fraction, check_index, check_positive_int
+
 _SPLITS = {"train": 0, "val": 1}
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
@@ -80,8 +82,8 @@ class TokenCorpus:
             ValueError: if ``max_bytes`` is not a positive integer, ``val_fraction`` is
                 not in (0, 1), or too few files are selected to give both parts.
         """
-        _check_positive_int("max_bytes", max_bytes)
-        _check_fraction(val_fraction)
+        check_positive_int("max_bytes", max_bytes)
+        check_fraction("val_fraction", val_fraction, open_low=True, open_high=True)
         kwargs: dict[str, Any] = {"max_bytes": max_bytes, "val_fraction": val_fraction}
         return cls(("stdlib", kwargs), **_load_stdlib(max_bytes, val_fraction))
 
@@ -109,9 +111,9 @@ class TokenCorpus:
             ValueError: if the path does not exist, the data is empty or too small to give
                 both parts, or an id is negative or ``>= vocab_size``.
         """
-        _check_fraction(val_fraction)
+        check_fraction("val_fraction", val_fraction, open_low=True, open_high=True)
         if vocab_size is not None:
-            _check_positive_int("vocab_size", vocab_size)
+            check_positive_int("vocab_size", vocab_size)
         kwargs: dict[str, Any] = {
             "path": os.fspath(path),
             "val_fraction": val_fraction,
@@ -214,7 +216,7 @@ class LMBatches:
             ("microbatch_size", microbatch_size),
             ("microbatches", microbatches),
         ):
-            _check_positive_int(name, value)
+            check_positive_int(name, value)
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         for split, tokens in (("train", corpus.train), ("val", corpus.val)):
@@ -241,9 +243,9 @@ class LMBatches:
         """
         if split not in _SPLITS:
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-        _check_index("step", step)
-        _check_index("replica", replica)
-        _check_index("microbatch", microbatch, self.microbatches)
+        check_index("step", step)
+        check_index("replica", replica)
+        check_index("microbatch", microbatch, self.microbatches)
         tokens = self.corpus.train if split == "train" else self.corpus.val
         key = [self.seed, _SPLITS[split], int(step), int(replica), int(microbatch)]
         rng = np.random.default_rng(np.random.SeedSequence(key))
@@ -279,8 +281,8 @@ class LMBatches:
     def _batch(
         self, step: int, replica: int, num_replicas: int, split: str
     ) -> tuple[Tensor, Tensor]:
-        _check_positive_int("num_replicas", num_replicas)
-        _check_index("replica", replica, num_replicas)
+        check_positive_int("num_replicas", num_replicas)
+        check_index("replica", replica, num_replicas)
         parts = [self.microbatch(step, replica, mb, split=split) for mb in range(self.microbatches)]
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
@@ -414,28 +416,3 @@ def _fingerprint(train: np.ndarray, val: np.ndarray, vocab_size: int) -> str:
     for part in (train, val):
         digest.update(np.ascontiguousarray(part).data)
     return digest.hexdigest()
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _check_index(name: str, value: object, bound: int | None = None) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, np.integer))
-        or value < 0
-        or (bound is not None and value >= bound)
-    ):
-        where = f"0..{bound - 1}" if bound is not None else "a non-negative integer"
-        raise ValueError(f"{name} must be in {where}, got {value!r}")
-
-
-def _check_fraction(val_fraction: object) -> None:
-    if (
-        isinstance(val_fraction, bool)
-        or not isinstance(val_fraction, (int, float))
-        or not 0 < val_fraction < 1
-    ):
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")

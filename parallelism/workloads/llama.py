@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from parallelism.checks import check_positive_int
 from parallelism.seeding import derive_seed
 
 _INIT_STD = 0.02
@@ -77,9 +78,9 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
-            _check_positive_int(name, getattr(self, name))
+            check_positive_int(f"LlamaConfig {name}", getattr(self, name))
         if self.ffn_dim is not None:
-            _check_positive_int("ffn_dim", self.ffn_dim)
+            check_positive_int("LlamaConfig ffn_dim", self.ffn_dim)
         for name in ("rope_theta", "norm_eps"):
             value = getattr(self, name)
             if (
@@ -160,11 +161,6 @@ _PRESETS: dict[str, dict[str, Any]] = {
     "small": {"dim": 512, "n_layers": 8, "n_heads": 8, "max_seq_len": 256},
     "medium": {"dim": 768, "n_layers": 12, "n_heads": 12, "max_seq_len": 512},
 }
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"LlamaConfig {name} must be a positive integer, got {value!r}")
 
 
 class RMSNorm(nn.Module):

@@ -12,7 +12,7 @@ the previous step, after the data-parallel all-reduce and after clipping (`GradN
 `clip_stage_gradients`), and ``eps = 1e-4``. The rebuilt stage gets a fresh optimizer
 (Adam moments zero) and a learning rate scaled by a constant (1.1). CheckFree+ also
 rebuilds the first and last stages by copying their swap partner (`edge_copy`); see
-[Note: CheckFree+ edge replicas] in `parallelism.llama`.
+[Note: CheckFree+ edge replicas] in `parallelism.workloads.llama`.
 
 [Note: matching keys between stages]
 Neighbouring stages need not look alike: they may hold different numbers of blocks, and
@@ -406,7 +406,7 @@ def rebuild_stage(
     alive. An edge stage is rebuilt only with ``edge_replicas`` (CheckFree+): stage 0 by
     `edge_copy` of stage 1 (passed as ``nxt``), stage ``S-1`` of stage ``S-2`` (passed as
     ``prev``); with ``averaging="random"`` it is re-initialised instead. ``exact_keys``
-    (from ``parallelism.llama.edge_replica_keys``) are copied exactly from the neighbour
+    (from ``parallelism.workloads.llama.edge_replica_keys``) are copied exactly from the neighbour
     that holds them.
 
     The returned ``moments`` say what the rebuilt stage's optimizer starts from: with

@@ -238,7 +238,7 @@ def mirror_update(
         hot: the hot set the last update carried (see `MirrorPlan.hot_every`).
         weight, accumulator: the shard's current rows and row-wise optimizer state.
         updated, lookups: the step's updated rows and their lookups
-            (`parallelism.dlrm.StepUpdate`).
+            (`parallelism.workloads.dlrm.StepUpdate`).
 
     Raises:
         ValueError: if the shapes do not match the tracker's shard.
@@ -289,7 +289,7 @@ def mirror_update_before_commit(
     so that the commit stays local; the holder applies it when the step commits).
 
     Only the rows the update carries are computed, with the same row-wise Adagrad
-    (`parallelism.dlrm.rowwise_adagrad_`) the commit applies -- each row's update depends
+    (`parallelism.workloads.dlrm.rowwise_adagrad_`) the commit applies -- each row's update depends
     on that row alone, so the values are bit-identical to the committed ones.
 
     Args:
@@ -297,13 +297,13 @@ def mirror_update_before_commit(
         weight, accumulator: the shard's rows and row-wise state before the commit.
         counts: the shard's lookup counts before this step (`MFUTracker.counts`).
         rows, grads, lookups: the pending step's updated rows (unique, ascending), their
-            summed gradients and their lookups (`parallelism.dlrm.DLRMWorker.pending`).
+            summed gradients and their lookups (`parallelism.workloads.dlrm.DLRMWorker.pending`).
         hot: the hot set the last update carried (see `MirrorPlan.hot_every`).
 
     Raises:
         ValueError: if the shapes do not match.
     """
-    from parallelism.dlrm import rowwise_adagrad_
+    from parallelism.workloads.dlrm import rowwise_adagrad_
 
     n = int(weight.shape[0])
     tracker = MFUTracker(n, counts)
