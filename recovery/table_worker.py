@@ -36,11 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallelism.clicks import ClickBatch
 from parallelism.comm import Rendezvous, StageComm
-from parallelism.dlrm import ProcessGroupCollective
 from parallelism.engine import StepStats
 from parallelism.topology import Topology
+from parallelism.workloads.clicks import ClickBatch
+from parallelism.workloads.dlrm import ProcessGroupCollective
 from recovery.faults import Fault, KillPoint
 from recovery.spec import TrainSpec
 from recovery.strategies.embedding import (

@@ -9,7 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from parallelism.llama import (
+from parallelism.schedule import swapped_routes
+from parallelism.seeding import seed_everything
+from parallelism.workloads.llama import (
     LlamaConfig,
     build_llama_stage,
     edge_partner,
@@ -18,8 +20,6 @@ from parallelism.llama import (
     llama_loss,
     partition_layers,
 )
-from parallelism.schedule import swapped_routes
-from parallelism.seeding import seed_everything
 from recovery.errors import RedundancyExhausted
 from recovery.strategies import (
     Averaging,
