@@ -6,6 +6,7 @@
     python scripts/bench.py zero           # ZeRO-1 with mirrored shards vs unsharded AdamW
 
 Every figure is measured by this run on this machine; nothing is copied from elsewhere.
+Needs the package installed (``pip install -e .``).
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
 
 import torch
 

@@ -1,21 +1,22 @@
 """A training job for the driver-death test: run it, kill it, run it again.
 
 python tests/resume_job.py RUN_DIR STEPS OUT.pt
+
+Run as a file, so ``tests/`` is first on the path and `workloads` is ``tests/workloads.py``
+(the job `tests/test_rollback.py` compares against); the rest comes from the installed
+package.
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+from workloads import tiny_llama
 
 from parallelism import Topology
 from recovery import Trainer
 from recovery.policy import RecoveryPolicy
-from tests.workloads import tiny_llama
 
 
 def main() -> None:

@@ -10,6 +10,8 @@
     python scripts/train.py --durable-every 50 --out runs/long   # re-run the same line to resume
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- python scripts/train.py
 
+Installed, the same program is the ``checkfree-train`` command.
+
 Writes a run folder (``--out``) with metrics.jsonl, events.jsonl, summary.json, config.json
 and loss.png (failures and recoveries marked), and prints a table of recoveries at the end.
 """
@@ -19,9 +21,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
 
 from parallelism import Topology
 from recovery import Trainer, TrainSpec

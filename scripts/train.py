@@ -1,0 +1,14 @@
+"""Train with pipeline x data parallelism on Ray, with failures injected: `recovery.cli.train`.
+
+    python scripts/train.py --help      # the same program as the `checkfree-train` command
+
+Needs the package installed (``pip install -e .``); under ``ray job submit --working-dir .``
+Ray puts the uploaded checkout on the path.
+"""
+
+import sys
+
+from recovery.cli.train import main
+
+if __name__ == "__main__":
+    sys.exit(main())
