@@ -1,4 +1,5 @@
-"""Tests of the click-log data in `parallelism.workloads.clicks`: the generator and the Criteo reader."""
+"""Tests of the click-log data in `parallelism.workloads.clicks`: the generator and the Criteo
+reader."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Tests of the row-sharded DLRM in `parallelism.workloads.dlrm`: layout, exchange, trainer, metrics."""
+"""Tests of the row-sharded DLRM in `parallelism.workloads.dlrm`: layout, exchange, trainer,
+metrics."""
 
 from __future__ import annotations
 
