@@ -197,7 +197,10 @@ def _partial_allowed(redundancy: Redundancy, policy: RecoveryPolicy) -> bool:
 
     if policy.exact_only or not policy.allows(Strategy.EMBEDDING_PARTIAL):
         return False
-    return decide(policy.embedding, pls=redundancy.pls, budget=policy.pls_budget) == "partial"
+    return (
+        decide(policy.mirrors.embedding, pls=redundancy.pls, budget=policy.mirrors.pls_budget)
+        == "partial"
+    )
 
 
 def _from_mirrors(
@@ -214,9 +217,13 @@ def _from_mirrors(
         if redundancy.mirror_stale.get(t, False):
             if not _partial_allowed(redundancy, policy):
                 return []
-            actions.append(RecoveryAction(rank=t, strategy=Strategy.EMBEDDING_PARTIAL, sources=(holders[t],)))
+            actions.append(
+                RecoveryAction(rank=t, strategy=Strategy.EMBEDDING_PARTIAL, sources=(holders[t],))
+            )
         elif policy.allows(Strategy.SHARD_MIRROR):
-            actions.append(RecoveryAction(rank=t, strategy=Strategy.SHARD_MIRROR, sources=(holders[t],)))
+            actions.append(
+                RecoveryAction(rank=t, strategy=Strategy.SHARD_MIRROR, sources=(holders[t],))
+            )
         else:
             return []
     return actions
@@ -241,9 +248,9 @@ def _why_mirror(
     if stale and not _partial_allowed(redundancy, policy):
         why = (
             f"a portion of lost samples of {redundancy.pls:.4f} exceeds pls_budget "
-            f"{policy.pls_budget}"
-            if policy.embedding == "partial" and not policy.exact_only
-            else f"the policy (embedding={policy.embedding!r}) demands exact rows"
+            f"{policy.mirrors.pls_budget}"
+            if policy.mirrors.embedding == "partial" and not policy.exact_only
+            else f"the policy (embedding={policy.mirrors.embedding!r}) demands exact rows"
         )
         return f"the mirrors of {', '.join(stale)} hold stale rows and {why}"
     return "the policy does not allow shard_mirror"
@@ -278,9 +285,15 @@ def _approximate(
             prev = _live_replica(topology, stage - 1, current, i)
             nxt = _live_replica(topology, stage + 1, current, i)
             assert prev is not None and nxt is not None
-            actions.append(RecoveryAction(rank=t, strategy=Strategy.NEIGHBOR_AVERAGE, sources=(prev, nxt)))
+            actions.append(
+                RecoveryAction(rank=t, strategy=Strategy.NEIGHBOR_AVERAGE, sources=(prev, nxt))
+            )
         return actions
-    if stage in (0, last) and policy.approximate == "checkfree+" and policy.allows(Strategy.EDGE_COPY):
+    if (
+        stage in (0, last)
+        and policy.approximate == "checkfree+"
+        and policy.allows(Strategy.EDGE_COPY)
+    ):
         if topology.stages < 4:
             return []
         partner = 1 if stage == 0 else last - 1
@@ -288,7 +301,9 @@ def _approximate(
             return []
         sources = sorted(r for r in topology.stage_group(partner) if r in current)
         return [
-            RecoveryAction(rank=t, strategy=Strategy.EDGE_COPY, sources=(sources[i % len(sources)],))
+            RecoveryAction(
+                rank=t, strategy=Strategy.EDGE_COPY, sources=(sources[i % len(sources)],)
+            )
             for i, t in enumerate(targets)
         ]
     return []
@@ -343,7 +358,9 @@ def _rollback(
                 for h, wards in redundancy.peer_held.items()
                 if h in alive and peer in wards.get(rank, ())
             )
-            actions.append(RecoveryAction(rank=rank, strategy=Strategy.ROLLBACK, sources=(holders[0],)))
+            actions.append(
+                RecoveryAction(rank=rank, strategy=Strategy.ROLLBACK, sources=(holders[0],))
+            )
         return RecoveryPlan(
             tuple(actions),
             resume_step=peer,
@@ -352,7 +369,9 @@ def _rollback(
             reason=reason,
         )
     assert durable is not None
-    actions = [RecoveryAction(rank=r, strategy=Strategy.ROLLBACK) for r in range(topology.world_size)]
+    actions = [
+        RecoveryAction(rank=r, strategy=Strategy.ROLLBACK) for r in range(topology.world_size)
+    ]
     return RecoveryPlan(
         tuple(actions),
         resume_step=durable,
@@ -365,5 +384,7 @@ def _rollback(
 def _restart(topology: Topology, lost: set[int], redundancy: Redundancy) -> RecoveryPlan:
     """Everyone restarts from the newest complete checkpoint (step 0: the initial state)."""
     resume = max(redundancy.checkpoint_steps, default=0)
-    actions = tuple(RecoveryAction(rank=r, strategy=Strategy.RESTART) for r in range(topology.world_size))
+    actions = tuple(
+        RecoveryAction(rank=r, strategy=Strategy.RESTART) for r in range(topology.world_size)
+    )
     return RecoveryPlan(actions=actions, resume_step=resume, lost=tuple(sorted(lost)))

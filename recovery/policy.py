@@ -1,30 +1,200 @@
-"""What the job may do when workers die: `RecoveryPolicy`."""
+"""What the job may do when workers die: `RecoveryPolicy`, one small config per concern.
+
+`RecoveryPolicy` says which recoveries are allowed (the hierarchy or the restart baseline,
+approximations, a strategy allow-list, spares, a recovery budget) and nests one config per
+concern: `SnapshotPolicy` (the peer and durable tiers), `MirrorPolicy` (embedding shard
+mirrors and partial recovery), `CheckFreeConfig` (approximate rebuilds), `RestartBaseline`
+(the baseline's checkpoints) and `Timeouts` (every wait the runtime makes). Each knob has
+one home; the flat keyword arguments of earlier versions (``snapshot_every=``,
+``mirror_every=``, ``hang_timeout_s=``, ...) are still accepted by the constructor and land
+in their part (`FLAT_NAMES`).
+"""
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
+from parallelism.checks import check_fraction, check_int, check_number, check_positive_int
 from recovery.names import Strategy
 
 if TYPE_CHECKING:
     from recovery.strategies.checkfree import CheckFreeConfig
     from recovery.strategies.embedding import MirrorPlan
 
-STRATEGIES = ("auto", "restart")
+__all__ = [
+    "APPROXIMATIONS",
+    "FLAT_NAMES",
+    "MODES",
+    "STRATEGY_NAMES",
+    "MirrorPolicy",
+    "RecoveryPolicy",
+    "RestartBaseline",
+    "SnapshotPolicy",
+    "Timeouts",
+]
+
+MODES = ("auto", "restart")
+"""``RecoveryPolicy.strategy``: the recovery hierarchy, or the restart baseline."""
 APPROXIMATIONS = (None, "checkfree", "checkfree+")
 STRATEGY_NAMES = tuple(s.value for s in Strategy if s is not Strategy.RESTART)
 """The recovery strategies a policy can allow (see docs/DESIGN.md, Recovery hierarchy)."""
 
 
-def _positive_int(name: str, value: object, *, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        allowed = "a positive integer or None" if optional else "a positive integer"
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+def _name(part: type, attr: str) -> str:
+    """How a knob is named in errors: its flat keyword and its home, e.g.
+    ``snapshot_every (snapshots.peer_every)``."""
+    home = f"{_PART_OF[part]}.{attr}"
+    flat = next((f for f, where in FLAT_NAMES.items() if where == home), None)
+    return f"{flat} ({home})" if flat else home
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotPolicy:
+    """Snapshots for rollback: the peer-memory tier and the durable tier.
+
+    Raises:
+        ValueError: naming the bad field and value.
+    """
+
+    peer_every: int | None = 50
+    """Every this many steps each worker keeps a copy of its state in memory and sends one
+    to a buddy on another node. None: off."""
+    durable_every: int | None = None
+    """Durable snapshots (torch.distributed.checkpoint, checksummed) every this many steps.
+    None: off. Needed to survive the loss of the driver."""
+    dir: str | os.PathLike[str] | None = None
+    """Where durable snapshots go (default: ``<run folder>/snapshots``)."""
+    keep_durable: int = 2
+    """Durable snapshots kept on disk (older ones are deleted)."""
+
+    def __post_init__(self) -> None:
+        check_positive_int(_name(SnapshotPolicy, "peer_every"), self.peer_every, optional=True)
+        check_positive_int(
+            _name(SnapshotPolicy, "durable_every"), self.durable_every, optional=True
+        )
+        check_positive_int(_name(SnapshotPolicy, "keep_durable"), self.keep_durable)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MirrorPolicy:
+    """Embedding tables (`TrainSpec.dlrm`): shard mirrors and partial recovery (CPR).
+
+    Raises:
+        ValueError: naming the bad field and value.
+    """
+
+    embedding: str = "partial"
+    """How a lost shard may come back when some of its rows have no current copy.
+    ``"partial"`` (CPR): restore those rows stale from the mirror's last full copy while
+    the portion of lost samples stays within ``pls_budget``, survivors keep training;
+    ``"exact"``: roll back instead."""
+    pls_budget: float = 0.05
+    """The job's portion of lost samples (PLS) that ``embedding="partial"`` accepts."""
+    hot_rows: int = 1024
+    """The most frequently used rows of each shard mirrored on the ring neighbour after
+    every step."""
+    every: int = 10
+    """Every row of each shard mirrored after every this many steps (1: every step, which
+    makes every restore exact)."""
+    hot_every: int = 10
+    """The hot rows are chosen again (a top-k of each shard's lookup counters) after every
+    this many steps; in between the same rows are mirrored."""
+
+    def __post_init__(self) -> None:
+        from recovery.strategies.embedding import EMBEDDING_POLICIES
+
+        if self.embedding not in EMBEDDING_POLICIES:
+            raise ValueError(
+                f"embedding must be one of {EMBEDDING_POLICIES}, got {self.embedding!r}"
+            )
+        check_fraction(_name(MirrorPolicy, "pls_budget"), self.pls_budget)
+        check_int(_name(MirrorPolicy, "hot_rows"), self.hot_rows, minimum=0)
+        check_positive_int(_name(MirrorPolicy, "every"), self.every)
+        check_positive_int(_name(MirrorPolicy, "hot_every"), self.hot_every)
+
+    @property
+    def plan(self) -> MirrorPlan:
+        """What each embedding shard's owner sends its mirror after every step."""
+        from recovery.strategies.embedding import MirrorPlan
+
+        return MirrorPlan(hot_rows=self.hot_rows, mirror_every=self.every, hot_every=self.hot_every)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestartBaseline:
+    """``strategy="restart"`` only: the baseline's checkpoints.
+
+    Raises:
+        ValueError: naming the bad field and value.
+    """
+
+    checkpoint_every: int = 50
+    """Write a checkpoint (torch.distributed.checkpoint) every this many steps."""
+    checkpoint_dir: str | os.PathLike[str] | None = None
+    """Where checkpoints go (default: the run folder, else a temp folder)."""
+
+    def __post_init__(self) -> None:
+        check_positive_int(_name(RestartBaseline, "checkpoint_every"), self.checkpoint_every)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Timeouts:
+    """Every wait the runtime makes, by what it waits for (a `timedelta`, or seconds as a
+    number: stored as a `timedelta`).
+
+    Raises:
+        ValueError: for a wait that is not a positive, finite duration.
+    """
+
+    start: timedelta = timedelta(seconds=300)
+    """Start a worker process and build its stage (a cold start imports torch)."""
+    join: timedelta = timedelta(seconds=60)
+    """Form a generation's process groups (the rendezvous on the controller's store)."""
+    hang: timedelta = timedelta(seconds=120)
+    """A step that makes no progress for this long is a hang: the stuck worker is killed
+    and replaced. Must exceed the slowest healthy step."""
+    transfer: timedelta = timedelta(seconds=300)
+    """Move state in a recovery (copies, mirrors, rebuilds) or read out final states."""
+    save: timedelta = timedelta(seconds=300)
+    """Write or load a checkpoint or a durable snapshot."""
+    control: timedelta = timedelta(seconds=60)
+    """A survivor's answer to a bookkeeping call (leave the generation, assess a mirror)."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            raw = value.total_seconds() if isinstance(value, timedelta) else value
+            check_number(_name(Timeouts, f.name), raw, positive=True)
+            object.__setattr__(self, f.name, timedelta(seconds=float(raw)))
+
+
+FLAT_NAMES: dict[str, str] = {
+    "snapshot_every": "snapshots.peer_every",
+    "durable_every": "snapshots.durable_every",
+    "snapshot_dir": "snapshots.dir",
+    "keep_durable": "snapshots.keep_durable",
+    "embedding": "mirrors.embedding",
+    "pls_budget": "mirrors.pls_budget",
+    "mirror_hot_rows": "mirrors.hot_rows",
+    "mirror_every": "mirrors.every",
+    "mirror_hot_every": "mirrors.hot_every",
+    "checkpoint_every": "baseline.checkpoint_every",
+    "checkpoint_dir": "baseline.checkpoint_dir",
+    "hang_timeout_s": "timeouts.hang",
+}
+"""The flat keyword arguments `RecoveryPolicy` still accepts, and the home of each."""
+
+_PARTS: dict[str, type] = {
+    "snapshots": SnapshotPolicy,
+    "mirrors": MirrorPolicy,
+    "baseline": RestartBaseline,
+    "timeouts": Timeouts,
+}
+_PART_OF = {cls: name for name, cls in _PARTS.items()}
 
 
 def _default_checkfree() -> CheckFreeConfig:
@@ -33,12 +203,17 @@ def _default_checkfree() -> CheckFreeConfig:
     return CheckFreeConfig()
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, init=False)
 class RecoveryPolicy:
-    """How failures are handled.
+    """How failures are handled (see the module docstring).
+
+    Accepts, besides its fields, the flat keyword arguments in `FLAT_NAMES`, e.g.
+    ``RecoveryPolicy(snapshot_every=10)`` is ``RecoveryPolicy(snapshots=SnapshotPolicy(
+    peer_every=10))``.
 
     Raises:
         ValueError: naming the bad field and value.
+        TypeError: for an unknown keyword argument.
     """
 
     strategy: str = "auto"
@@ -55,52 +230,47 @@ class RecoveryPolicy:
     means rollback."""
     allowed: tuple[str, ...] | None = None
     """Restrict the strategies the planner may use (names in `STRATEGY_NAMES`); None: all."""
-    checkfree: CheckFreeConfig = field(default_factory=_default_checkfree)
-    """The knobs of CheckFree(+) rebuilds (averaging, learning-rate scale, optimizer reset)."""
-    snapshot_every: int | None = 50
-    """Peer-memory snapshots: every this many steps each worker keeps a copy of its state
-    and sends one to a buddy on another node. None: off."""
-    durable_every: int | None = None
-    """Durable snapshots (torch.distributed.checkpoint, checksummed) every this many steps.
-    None: off. Needed to survive the loss of the driver."""
-    snapshot_dir: str | os.PathLike[str] | None = None
-    """Where durable snapshots go (default: ``<run folder>/snapshots``)."""
-    keep_durable: int = 2
-    """Durable snapshots kept on disk (older ones are deleted)."""
     hot_spares: int = 0
     """Warm spare workers kept ready (torch imported, stage modules built) to replace dead
     ones without a cold start."""
-    hang_timeout_s: float = 120.0
-    """A step that makes no progress for this long is a hang: the stuck worker is killed and
-    replaced. Must exceed the slowest healthy step."""
     max_recoveries: int | None = None
     """Give up (``RecoveryError``) after this many recoveries; None: never."""
-    embedding: str = "partial"
-    """Embedding tables (`TrainSpec.dlrm`): how a lost shard may come back when some of its
-    rows have no current copy. ``"partial"`` (CPR): restore those rows stale from the
-    mirror's last full copy while the portion of lost samples stays within
-    ``pls_budget``, survivors keep training; ``"exact"``: roll back instead."""
-    pls_budget: float = 0.05
-    """The job's portion of lost samples (PLS) that ``embedding="partial"`` accepts."""
-    mirror_hot_rows: int = 1024
-    """Embedding tables: the most frequently used rows of each shard mirrored on the ring
-    neighbour after every step."""
-    mirror_every: int = 10
-    """Embedding tables: every row of each shard mirrored after every this many steps
-    (1: every step, which makes every restore exact)."""
-    mirror_hot_every: int = 10
-    """Embedding tables: the hot rows are chosen again (a top-k of each shard's lookup
-    counters) after every this many steps; in between the same rows are mirrored."""
-    checkpoint_every: int = 50
-    """``restart`` only: write a checkpoint (torch.distributed.checkpoint) every this many steps."""
-    checkpoint_dir: str | os.PathLike[str] | None = None
-    """``restart`` only: where checkpoints go (default: the run folder, else a temp folder)."""
+    checkfree: CheckFreeConfig = field(default_factory=_default_checkfree)
+    """The knobs of CheckFree(+) rebuilds (averaging, learning-rate scale, optimizer reset)."""
+    snapshots: SnapshotPolicy = field(default_factory=SnapshotPolicy)
+    """Snapshots for rollback (peer memory, durable files)."""
+    mirrors: MirrorPolicy = field(default_factory=MirrorPolicy)
+    """Embedding tables: shard mirrors and partial recovery."""
+    baseline: RestartBaseline = field(default_factory=RestartBaseline)
+    """The restart baseline's checkpoints."""
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    """Every wait of the runtime."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        names = {f.name for f in dataclasses.fields(RecoveryPolicy)}
+        unknown = sorted(kwargs.keys() - names - FLAT_NAMES.keys())
+        if unknown:
+            raise TypeError(f"RecoveryPolicy got unknown keyword arguments {unknown}")
+        flat: dict[str, dict[str, Any]] = {}
+        for key, home in FLAT_NAMES.items():
+            if key in kwargs:
+                part, attr = home.split(".")
+                flat.setdefault(part, {})[attr] = kwargs.pop(key)
+        for f in dataclasses.fields(RecoveryPolicy):
+            if f.name in kwargs:
+                value = kwargs[f.name]
+            elif f.default is not dataclasses.MISSING:
+                value = f.default
+            else:
+                value = f.default_factory()  # type: ignore[operator]
+            if f.name in flat:
+                value = dataclasses.replace(value, **flat[f.name])
+            object.__setattr__(self, f.name, value)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(
-                f"unknown recovery strategy {self.strategy!r}; choose one of {STRATEGIES}"
-            )
+        if self.strategy not in MODES:
+            raise ValueError(f"unknown recovery strategy {self.strategy!r}; choose one of {MODES}")
         if self.approximate not in APPROXIMATIONS:
             raise ValueError(
                 f"approximate must be one of {APPROXIMATIONS}, got {self.approximate!r}"
@@ -111,65 +281,17 @@ class RecoveryPolicy:
                 raise ValueError(
                     f"unknown strategies {unknown} in allowed; known: {STRATEGY_NAMES}"
                 )
-        if (
-            isinstance(self.hot_spares, bool)
-            or not isinstance(self.hot_spares, int)
-            or self.hot_spares < 0
-        ):
-            raise ValueError(f"hot_spares must be a non-negative integer, got {self.hot_spares!r}")
-        if not (
-            isinstance(self.hang_timeout_s, int | float)
-            and self.hang_timeout_s > 0
-            and math.isfinite(self.hang_timeout_s)
-        ):
-            raise ValueError(
-                f"hang_timeout_s must be a positive number of seconds, got {self.hang_timeout_s!r}"
-            )
-        if self.max_recoveries is not None and (
-            not isinstance(self.max_recoveries, int) or self.max_recoveries < 0
-        ):
-            raise ValueError(f"max_recoveries must be >= 0 or None, got {self.max_recoveries!r}")
-        from recovery.strategies.embedding import EMBEDDING_POLICIES
-
-        if self.embedding not in EMBEDDING_POLICIES:
-            raise ValueError(
-                f"embedding must be one of {EMBEDDING_POLICIES}, got {self.embedding!r}"
-            )
-        if not (
-            isinstance(self.pls_budget, int | float)
-            and not isinstance(self.pls_budget, bool)
-            and 0 <= self.pls_budget <= 1
-        ):
-            raise ValueError(f"pls_budget must be in [0, 1], got {self.pls_budget!r}")
-        if (
-            isinstance(self.mirror_hot_rows, bool)
-            or not isinstance(self.mirror_hot_rows, int)
-            or self.mirror_hot_rows < 0
-        ):
-            raise ValueError(
-                f"mirror_hot_rows must be a non-negative integer, got {self.mirror_hot_rows!r}"
-            )
-        _positive_int("mirror_every", self.mirror_every)
-        _positive_int("mirror_hot_every", self.mirror_hot_every)
-        _positive_int("checkpoint_every", self.checkpoint_every)
-        _positive_int("snapshot_every", self.snapshot_every, optional=True)
-        _positive_int("durable_every", self.durable_every, optional=True)
-        _positive_int("keep_durable", self.keep_durable)
+        check_int("hot_spares", self.hot_spares, minimum=0)
+        check_int("max_recoveries", self.max_recoveries, minimum=0, optional=True)
+        for name, cls in _PARTS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ValueError(
+                    f"{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}"
+                )
 
     def allows(self, strategy: str) -> bool:
         """Whether the planner may use ``strategy``."""
         return self.allowed is None or strategy in self.allowed
-
-    @property
-    def mirror_plan(self) -> MirrorPlan:
-        """What each embedding shard's owner sends its mirror after every step."""
-        from recovery.strategies.embedding import MirrorPlan
-
-        return MirrorPlan(
-            hot_rows=self.mirror_hot_rows,
-            mirror_every=self.mirror_every,
-            hot_every=self.mirror_hot_every,
-        )
 
     @property
     def swapped_routes(self) -> bool:

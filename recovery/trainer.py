@@ -14,12 +14,12 @@ import torch
 
 from parallelism.comm import BACKENDS, default_backend
 from parallelism.topology import Topology
-from recovery.controller import Controller, ControllerConfig, StepRecord
 from recovery.events import RecoveryEvent
 from recovery.faults import FailureSchedule
 from recovery.plots import plot_loss
 from recovery.policy import RecoveryPolicy
 from recovery.rundir import RunDir
+from recovery.runtime import Controller, ControllerConfig, StepRecord
 from recovery.spec import TrainSpec
 
 
@@ -73,8 +73,8 @@ class FitResult:
 
 
 def _snapshot_dir(policy: RecoveryPolicy, run_dir: RunDir | None) -> str | None:
-    if policy.snapshot_dir is not None:
-        return str(policy.snapshot_dir)
+    if policy.snapshots.dir is not None:
+        return str(policy.snapshots.dir)
     return str(run_dir.file("snapshots")) if run_dir is not None else None
 
 
@@ -161,7 +161,7 @@ class Trainer:
             work_dir=str(self.run_dir.file("checkpoints")) if self.run_dir else None,
             snapshot_dir=_snapshot_dir(policy, self.run_dir),
         )
-        if policy.durable_every is not None and self.config.snapshot_dir is None:
+        if policy.snapshots.durable_every is not None and self.config.snapshot_dir is None:
             raise ValueError(
                 "durable_every needs a folder: set RecoveryPolicy(snapshot_dir=...) or run_dir"
             )

@@ -402,9 +402,18 @@ class StageWorker:
                     next(self.module.parameters()).view(-1)[0] = float("nan")
                 continue
             if isinstance(fault, Kill):
-                os.kill(os.getpid(), signal.SIGKILL)  # a real death: no cleanup, no goodbye
+                self._die()
             self._activity = ("hung", time.time())
-            threading.Event().wait()  # a hang: the process lives on and does nothing
+            self._hang()
+
+    def _die(self) -> None:
+        """An injected kill: a real death, no cleanup, no goodbye (overridden by workers
+        that run as threads, see recovery/runtime/thread_group.py)."""
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def _hang(self) -> None:
+        """An injected hang: the process lives on and does nothing until it is killed."""
+        threading.Event().wait()
 
     def _record_fault_time(self) -> None:
         """Leave the wall-clock time of an injected fault in the store, for detection timing."""

@@ -6,7 +6,7 @@ import pytest
 
 from parallelism import Topology
 from recovery import Trainer, TrainSpec
-from recovery.controller import Controller
+from recovery.runtime import Controller
 from tests.workloads import mlp_spec, tiny_llama
 
 
@@ -16,7 +16,7 @@ def no_workers(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("a worker was started for bad input")
 
     monkeypatch.setattr(Controller, "_start_workers", refuse)
-    monkeypatch.setattr("recovery.controller.connect", refuse)
+    monkeypatch.setattr("recovery.runtime.controller.connect", refuse)
 
 
 def test_model_with_fewer_blocks_than_stages() -> None:

@@ -10,8 +10,8 @@ from ray.cluster_utils import Cluster
 
 from parallelism import Topology
 from recovery import Trainer
-from recovery.controller import Controller, ControllerConfig, Phase
 from recovery.pool import POOL
+from recovery.runtime import Controller, ControllerConfig, Phase
 from tests.workloads import mlp_spec
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
@@ -44,23 +44,21 @@ def test_losing_a_node_keeps_training_exact(cluster) -> None:  # type: ignore[no
     try:
         controller.start()
         controller.target_steps = steps
-        nodes = {m.info.node_id for m in controller.members.values()}
+        nodes = {i.node_id for i in controller.infos().values()}
         assert len(nodes) == 3  # three pipelines, one per node
         for s in range(top.stages):  # replicas of a stage on different nodes
-            assert len({controller.members[r].info.node_id for r in top.stage_group(s)}) == 3
+            assert len({controller.infos()[r].node_id for r in top.stage_group(s)}) == 3
         while controller.step < 3:
             controller.advance()
         victim = next(n for n in worker_nodes if n.node_id in nodes)
-        doomed = sorted(
-            r for r, m in controller.members.items() if m.info.node_id == victim.node_id
-        )
+        doomed = sorted(r for r, i in controller.infos().items() if i.node_id == victim.node_id)
         c.remove_node(victim)
         while controller.advance() not in (Phase.FINISHED, Phase.FAILED):
             pass
         assert controller.phase is Phase.FINISHED, controller.error
         (event,) = controller.events
         assert sorted(top.rank(s, r) for s, r in event.lost) == doomed
-        assert all(m.info.node_id != victim.node_id for m in controller.members.values())
+        assert all(i.node_id != victim.node_id for i in controller.infos().values())
         states = controller.states()
         losses = [r.loss for r in controller.records]
     finally:

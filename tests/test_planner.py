@@ -225,7 +225,7 @@ def sharded_cases(draw: st.DrawFn):  # type: ignore[no-untyped-def]
 def test_sharded_state_comes_back_from_its_mirror_or_everyone_rolls_back(case) -> None:  # type: ignore[no-untyped-def]
     top, lost, redundancy, policy = case
     partial_ok = not policy.exact_only and (
-        redundancy.pls == 0 if policy.embedding == "exact" else redundancy.pls <= 0.05
+        redundancy.pls == 0 if policy.mirrors.embedding == "exact" else redundancy.pls <= 0.05
     )
     needs_rollback = any(
         redundancy.mirror_holder[r] in lost or (redundancy.mirror_stale[r] and not partial_ok)

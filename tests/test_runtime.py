@@ -9,8 +9,8 @@ import torch
 
 from parallelism import Topology
 from recovery import Trainer
-from recovery.controller import Controller, ControllerConfig, Phase
 from recovery.reference import train_reference
+from recovery.runtime import Controller, ControllerConfig, Phase
 from tests.test_engine import LOSS_RTOL, WEIGHT_TOL
 from tests.workloads import mlp_spec, tiny_llama
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 from torch import nn
 
 from recovery import TrainSpec
+from recovery.worker import StageWorker
 
 
 def mlp_stage(stage: int, num_stages: int, width: int = 16) -> nn.Module:
@@ -59,3 +61,17 @@ def tiny_llama(schedule: str = "1f1b", microbatches: int = 4, seed: int = 0) -> 
         seed=seed,
         max_bytes=2_000_000,
     )
+
+
+class EchoWorker(StageWorker):
+    """A worker with a few trivial methods, for the `WorkerGroup` conformance test."""
+
+    def echo(self, value: object) -> object:
+        return value
+
+    def nap(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+    def boom(self) -> None:
+        raise KeyError("user code failed")

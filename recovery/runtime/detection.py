@@ -1,0 +1,138 @@
+"""Failure detection: await a step's reports, abort everyone at the first failure, find hangs.
+
+[Note: failure detection]
+A step's failure shows up in one of three ways, and `await_step` waits for all of them at
+once: a dead worker's call gives `WorkerLost` (Ray, or the thread group, notices the
+death); a survivor's call returns a failed `StepReport` (Gloo reported the dead peer, and
+the survivor tore down its groups so that its own peers fail fast too -- see
+``parallelism/comm.py``); or nothing returns within ``hang_timeout_s``. In the last case
+each silent worker is asked, on its control thread, what it is doing; those not blocked
+on a peer are the hung ones, and they are killed, which turns the hang into the first
+case. A failure before the commit decision abandons the step everywhere; a worker that
+dies after it (while applying the step) leaves the step committed for everyone else, and
+its replacement copies the committed state.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from recovery.runtime.group import Call, WorkerGroup, WorkerLost, seconds
+from recovery.worker import StepReport
+
+__all__ = ["PROBE_TIMEOUT", "StepOutcome", "await_step", "non_finite"]
+
+log = logging.getLogger("checkfree")
+
+PROBE_TIMEOUT = timedelta(seconds=5)
+"""How long a silent worker's control thread has to say what it is doing."""
+
+
+@dataclass
+class StepOutcome:
+    """What a step (or an evaluation) gave, per worker."""
+
+    reports: dict[int, StepReport] = field(default_factory=dict)
+    """Every report that came back, ok or failed."""
+    lost: dict[int, WorkerLost] = field(default_factory=dict)
+    """Workers that died (or were killed as hung) during the step."""
+    hung: set[int] = field(default_factory=set)
+    """Workers killed because they made no progress."""
+
+    @property
+    def failed(self) -> dict[int, str]:
+        """Survivors that reported a communication error, with what they saw."""
+        return {rank: r.error for rank, r in self.reports.items() if not r.ok}
+
+    @property
+    def ok(self) -> bool:
+        return not self.lost and not self.failed
+
+
+def await_step(
+    group: WorkerGroup, calls: Mapping[int, Call], hang_timeout: timedelta | float
+) -> StepOutcome:
+    """Wait for a step's reports; abort the rest at the first failure; kill hung workers.
+
+    Raises:
+        Exception: the original error of a worker whose own code raised.
+    """
+    pending = _wait_or_abort(group, calls, hang_timeout)
+    hung: set[int] = set()
+    if pending:
+        silent = [rank for rank, call in calls.items() if call in pending]
+        hung = _find_hung(group, silent)
+        for rank in sorted(hung):
+            log.warning(
+                "worker rank %d made no progress for %.0f s: killing it",
+                rank,
+                seconds(hang_timeout),
+            )
+        group.kill(hung)
+        _, still = group.wait(list(calls.values()), min(60.0, seconds(hang_timeout)))
+        late = {rank for rank, call in calls.items() if call in still}
+        hung |= late  # still silent after the cascade: give up on them too
+        group.kill(late)
+    gathered = group.gather(dict(calls), timedelta(seconds=10))
+    return StepOutcome(reports=gathered.results, lost=gathered.lost, hung=hung)
+
+
+def _wait_or_abort(
+    group: WorkerGroup, calls: Mapping[int, Call], timeout: timedelta | float
+) -> list[Call]:
+    """Wait for every call; at the first sign of failure, tell the rest to abort the step.
+
+    Without the abort, a survivor that is not connected to the dead worker would only
+    notice when the failure reaches it through the schedule -- e.g. a whole healthy
+    pipeline computing on until the gradient all-reduce. Returns the calls not finished.
+    """
+    waiting = dict(calls)
+    deadline = time.monotonic() + seconds(timeout)
+    aborted = False
+    while waiting:
+        finished, _ = group.wait(
+            list(waiting.values()), max(0.0, deadline - time.monotonic()), first=True
+        )
+        if not finished:
+            break
+        for rank in [r for r, call in waiting.items() if call in finished]:
+            call = waiting.pop(rank)
+            if not aborted and not _succeeded(group, call):
+                aborted = True
+                for other in waiting:
+                    group.submit(other, "abort")
+    return list(waiting.values())
+
+
+def _succeeded(group: WorkerGroup, call: Call) -> bool:
+    """Whether a finished step call returned a successful report."""
+    try:
+        return bool(group.result(call).ok)
+    except Exception:
+        return False
+
+
+def _find_hung(group: WorkerGroup, silent: list[int]) -> set[int]:
+    """Among silent workers, those not blocked on a peer (all of them if none stands out)."""
+    probes = {rank: group.submit(rank, "probe") for rank in silent}
+    answers = group.gather(probes, PROBE_TIMEOUT)
+    hung = set(answers.lost) | {
+        rank for rank, a in answers.results.items() if a.get("waiting_on") is None
+    }
+    return hung or set(silent)
+
+
+def non_finite(reports: Mapping[int, StepReport]) -> dict[int, str]:
+    """Workers whose loss or gradient norm is NaN or infinite, with what was seen."""
+    bad = {}
+    for rank, r in reports.items():
+        if (r.stats.losses and not math.isfinite(r.stats.loss_sum)) or not math.isfinite(
+            r.stats.grad_norm
+        ):
+            bad[rank] = f"non-finite loss {r.stats.loss_sum} or gradient norm {r.stats.grad_norm}"
+    return bad

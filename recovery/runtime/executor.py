@@ -1,0 +1,192 @@
+"""The executor: turns a `RecoveryPlan` into state transfers between workers.
+
+One small function per strategy, keyed by `Strategy`. A per-action strategy returns the
+calls it started (a send on each source, a receive on each target); the executor starts
+every strategy's calls before it waits for any, because a source may be sending to one
+target while another target receives from a third worker over the same process group.
+Rollback and the restart baseline restore every worker and have a function of their own.
+The executor decides nothing: what moves where is the planner's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from parallelism.topology import Topology
+from recovery.errors import RecoveryError
+from recovery.names import Strategy, Tier
+from recovery.planner import RecoveryAction, RecoveryPlan
+from recovery.policy import RecoveryPolicy
+from recovery.runtime.group import Call, WorkerGroup
+from recovery.runtime.ledger import RedundancyLedger
+from recovery.snapshots import DurableStore
+from recovery.spec import TrainSpec
+
+__all__ = ["Restore", "execute"]
+
+Transfers = dict[tuple[int, str], Call]
+"""(rank, what) -> the call: ``send*`` and ``named*`` calls return bytes sent, ``copy``
+calls ``(step, bytes received)``."""
+
+
+@dataclass
+class Restore:
+    """What the executor works with."""
+
+    group: WorkerGroup
+    topology: Topology
+    spec: TrainSpec
+    policy: RecoveryPolicy
+    ledger: RedundancyLedger
+    timeout: timedelta
+    """For each transfer (and load) to finish."""
+    durable: DurableStore | None = None
+    snapshot_dir: str | None = None
+    checkpoint_dir: str = ""
+
+
+def _replica_copy(ctx: Restore, actions: Sequence[RecoveryAction], step: int) -> Transfers:
+    """Each source sends its full state to the targets it serves (one send, many receivers)."""
+    by_source: dict[int, list[int]] = {}
+    for action in actions:
+        by_source.setdefault(action.sources[0], []).append(action.rank)
+    calls: Transfers = {}
+    for src, dsts in by_source.items():
+        calls[(src, "send")] = ctx.group.submit(src, "send_state", dsts)
+        for dst in dsts:
+            calls[(dst, "copy")] = ctx.group.submit(dst, "recv_state", src)
+    return calls
+
+
+def _from_mirror(ctx: Restore, actions: Sequence[RecoveryAction], step: int) -> Transfers:
+    """The mirror holder sends the shard it mirrors (restored exact, or partially stale)."""
+    calls: Transfers = {}
+    for action in actions:
+        (holder,) = action.sources
+        calls[(holder, f"send{action.rank}")] = ctx.group.submit(holder, "send_mirror", action.rank)
+        calls[(action.rank, "copy")] = ctx.group.submit(action.rank, "recv_shard", holder)
+    return calls
+
+
+def _rebuild(ctx: Restore, actions: Sequence[RecoveryAction], step: int) -> Transfers:
+    """CheckFree(+): the neighbours send their named state; the target rebuilds from it."""
+    calls: Transfers = {}
+    config = ctx.policy.checkfree
+    moments = not config.reset_optimizer or ctx.spec.shared_params is not None
+    norms = ctx.ledger.grad_norms
+    for action in actions:
+        stage = ctx.topology.worker(action.rank).stage
+        if action.strategy == Strategy.NEIGHBOR_AVERAGE:
+            roles = {"prev": action.sources[0], "next": action.sources[1]}
+        else:  # edge_copy: stage 0 copies stage 1 (its next), stage S-1 copies S-2 (its prev)
+            roles = {"next" if stage == 0 else "prev": action.sources[0]}
+        for role, src in roles.items():
+            calls[(src, f"named{action.rank}{role}")] = ctx.group.submit(
+                src, "send_named_state", action.rank, moments
+            )
+        calls[(action.rank, "rebuild")] = ctx.group.submit(
+            action.rank, "rebuild", action.strategy, roles, norms.neighbours(stage), config, step
+        )
+    return calls
+
+
+PER_ACTION: dict[Strategy, Callable[[Restore, Sequence[RecoveryAction], int], Transfers]] = {
+    Strategy.REPLICA_COPY: _replica_copy,
+    Strategy.SHARD_MIRROR: _from_mirror,
+    Strategy.EMBEDDING_PARTIAL: _from_mirror,
+    Strategy.NEIGHBOR_AVERAGE: _rebuild,
+    Strategy.EDGE_COPY: _rebuild,
+}
+"""The strategies that rebuild single workers from live ones."""
+
+
+def _gather(ctx: Restore, calls: Transfers, what: str) -> dict[tuple[int, str], Any]:
+    got = ctx.group.gather(calls, ctx.timeout)
+    if got.lost:
+        raise RecoveryError(got.describe(what))
+    return dict(got.results)
+
+
+def _sent(results: dict[tuple[int, str], Any]) -> int:
+    return sum(int(v) for k, v in results.items() if k[1].startswith(("send", "named")))
+
+
+def _rollback(ctx: Restore, plan: RecoveryPlan) -> int:
+    """Every worker restores the plan's snapshot: its own copy, a holder's, or the durable tier."""
+    step = plan.resume_step
+    moved = 0
+    if plan.tier == Tier.DURABLE:
+        loaded = ctx.group.call(
+            "durable_load", args=lambda rank: (ctx.snapshot_dir, step), timeout=ctx.timeout
+        )
+        if loaded.lost:
+            raise RecoveryError(loaded.describe(f"load the durable snapshot of step {step}"))
+    else:
+        calls: Transfers = {}
+        for action in plan.actions:
+            if not action.sources:
+                calls[(action.rank, "own")] = ctx.group.submit(action.rank, "restore_own", step)
+                continue
+            (holder,) = action.sources
+            calls[(holder, f"send{action.rank}")] = ctx.group.submit(
+                holder, "send_snapshot", step, action.rank, action.rank
+            )
+            calls[(action.rank, "recv")] = ctx.group.submit(
+                action.rank, "recv_snapshot", step, holder
+            )
+        moved = _sent(_gather(ctx, calls, f"roll back to step {step}"))
+    if ctx.durable is not None:
+        ctx.durable.discard_after(step)
+    ctx.ledger.rolled_back(step)
+    return moved
+
+
+def _restart(ctx: Restore, plan: RecoveryPlan) -> int:
+    """The baseline: every (new, cold) worker loads the last checkpoint, if there is one."""
+    if plan.resume_step > 0:
+        loaded = ctx.group.call(
+            "load_checkpoint",
+            args=lambda rank: (ctx.checkpoint_dir, plan.resume_step),
+            timeout=ctx.timeout,
+        )
+        if loaded.lost:
+            raise RecoveryError(loaded.describe(f"load the checkpoint of step {plan.resume_step}"))
+    return 0
+
+
+WHOLE_PLAN: dict[Strategy, Callable[[Restore, RecoveryPlan], int]] = {
+    Strategy.ROLLBACK: _rollback,
+    Strategy.RESTART: _restart,
+}
+"""The strategies that restore every worker."""
+
+
+def execute(ctx: Restore, plan: RecoveryPlan) -> int:
+    """Carry out ``plan``'s state movements. Returns the bytes moved.
+
+    Raises:
+        RecoveryError: naming the workers lost while transferring.
+        SnapshotCorrupted: if a durable snapshot chosen by the plan fails its checksums
+            (nothing was loaded from it).
+    """
+    kinds = {a.strategy for a in plan.actions}
+    whole = [WHOLE_PLAN[k] for k in kinds if k in WHOLE_PLAN]
+    if whole:
+        assert len(kinds) == 1, f"planner invariant: {kinds} restore everyone alone"
+        return whole[0](ctx, plan)
+    calls: Transfers = {}
+    # In PER_ACTION's order, as a worker runs its calls in the order they were started.
+    for fn in dict.fromkeys(PER_ACTION.values()):
+        actions = [a for a in plan.actions if PER_ACTION[a.strategy] is fn]
+        if actions:
+            calls.update(fn(ctx, actions, plan.resume_step))
+    results = _gather(ctx, calls, "transfer state")
+    steps = {v[0] for k, v in results.items() if k[1] == "copy"}
+    assert steps <= {plan.resume_step}, (steps, plan.resume_step)
+    for action in plan.actions:  # a rebuilt stage has no gradient history yet
+        if PER_ACTION[action.strategy] is _rebuild:
+            ctx.ledger.forget_norm(ctx.topology.worker(action.rank).stage)
+    return _sent(results)

@@ -1,0 +1,198 @@
+"""`WorkerGroup`: the job's worker processes, as the controller sees them.
+
+The controller never touches Ray (or threads) directly: it starts, replaces and kills
+workers, and calls their methods, through this interface. `RayWorkerGroup` runs each
+worker as a Ray actor (production); `ThreadWorkerGroup` runs each as a thread of this
+process (tests: the controller's transitions in milliseconds, no Ray). Both pass the same
+conformance test (tests/test_worker_group.py).
+
+[Note: calls and failures]
+Every call is asynchronous: `submit` returns a `Call` handle at once, `wait` blocks on a
+set of them with a deadline, and `result` reads one. A worker that died, or did not answer
+in time, gives a `WorkerLost` -- the one failure the runtime recovers from. An exception
+raised by user code inside a worker (a bug in the model, a bad batch) is re-raised as
+itself by `result`: recovery cannot fix a bug, so it stops the job. `call` is the common
+case built on the three: one method on many workers, results and losses apart. Control
+methods (``probe``, ``abort``) run on a separate thread of the worker, so they are
+answered while the worker is busy in, or stuck in, a step.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from recovery.worker import WorkerInfo
+
+__all__ = ["CONTROL_METHODS", "Call", "CallResults", "WorkerGroup", "WorkerLost", "seconds"]
+
+CONTROL_METHODS = frozenset({"probe", "abort"})
+"""Methods answered on a worker's control thread (see [Note: calls and failures])."""
+
+
+def seconds(timeout: timedelta | float) -> float:
+    """A timeout as seconds: every wait in the runtime takes a `timedelta` or seconds."""
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+
+
+class WorkerLost(Exception):
+    """A worker died, or did not answer a call in time (see [Note: calls and failures])."""
+
+    def __init__(self, rank: int, reason: str) -> None:
+        super().__init__(f"rank {rank}: {reason}")
+        self.rank = rank
+        self.reason = reason
+
+
+@dataclass(frozen=True, eq=False)
+class Call:
+    """A submitted call: which worker, which method, and the implementation's handle."""
+
+    rank: int
+    method: str
+    handle: Any = field(repr=False)
+
+
+@dataclass
+class CallResults:
+    """What a call on several workers gave: results, and the workers lost meanwhile."""
+
+    results: dict[Any, Any] = field(default_factory=dict)
+    lost: dict[Any, WorkerLost] = field(default_factory=dict)
+
+    def describe(self, what: str) -> str:
+        """``could not <what>: rank 3: ...; rank 5: ...``."""
+        detail = "; ".join(f"{e}" for _, e in sorted(self.lost.items()))
+        return f"could not {what}: {detail}"
+
+
+class WorkerGroup(abc.ABC):
+    """The job's workers, one per rank, each on a node. See [Note: calls and failures].
+
+    A rank has at most one live worker; starting a rank that has one replaces it (the old
+    worker is killed). Hot spares are workers warmed up ahead of need (torch imported,
+    stage modules built once); `start` takes one on the right node when it can.
+    """
+
+    # -- membership --------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def nodes(self) -> list[str]:
+        """The nodes that are alive now (ids as the implementation names them)."""
+
+    @abc.abstractmethod
+    def start(
+        self,
+        placement: Mapping[int, str],
+        *,
+        timeout: timedelta | float,
+        spares: bool = False,
+        parked: bool = False,
+    ) -> tuple[CallResults, set[int]]:
+        """Start a worker for each rank on its node and wait until each answers.
+
+        ``spares``: take a hot spare where there is one (on the rank's node first).
+        ``parked``: reuse a warm worker an earlier job in this process left on that node.
+        Returns each started worker's `WorkerInfo` (or why it did not start) and the ranks
+        that got a warm worker. An implementation without parking ignores ``parked``.
+        """
+
+    @abc.abstractmethod
+    def kill(self, ranks: Iterable[int]) -> None:
+        """Kill these ranks' workers now, without waiting (unknown or dead ranks are ignored)."""
+
+    @abc.abstractmethod
+    def info(self, rank: int) -> WorkerInfo:
+        """Where ``rank``'s worker runs. Raises KeyError for a rank with no worker."""
+
+    @abc.abstractmethod
+    def ranks(self) -> list[int]:
+        """The ranks that have a worker (alive as far as the group knows)."""
+
+    # -- spares ------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def add_spares(
+        self, nodes: Sequence[str], warm: Callable[[], tuple[str, tuple[Any, ...]]]
+    ) -> None:
+        """Start one hot spare on each of ``nodes`` and warm it up, without waiting.
+
+        ``warm() -> (method, args)`` is the warm-up call to make on each.
+        """
+
+    @abc.abstractmethod
+    def await_spares(self, timeout: timedelta | float) -> int:
+        """Wait for the spares warming up; drop (and kill) those that failed. Returns the
+        number of spares ready."""
+
+    @abc.abstractmethod
+    def spare_count(self) -> int:
+        """Hot spares held (ready or warming up)."""
+
+    # -- calls -------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def submit(self, rank: int, method: str, *args: Any) -> Call:
+        """Call ``method(*args)`` on ``rank``'s worker; returns at once."""
+
+    @abc.abstractmethod
+    def wait(
+        self, calls: Sequence[Call], timeout: timedelta | float, *, first: bool = False
+    ) -> tuple[list[Call], list[Call]]:
+        """Block until every call (``first``: at least one) has finished, or the timeout.
+
+        Returns ``(finished, pending)``, each in the order given.
+        """
+
+    @abc.abstractmethod
+    def result(self, call: Call) -> Any:
+        """A finished call's result.
+
+        Raises:
+            WorkerLost: the worker died (or the call has not finished: it timed out).
+            Exception: whatever the worker's own code raised, as itself.
+        """
+
+    @abc.abstractmethod
+    def shutdown(self, *, clean: bool) -> None:
+        """Drop every worker and spare; ``clean`` (the job finished) lets an implementation
+        park reset workers for reuse by a later job in this process."""
+
+    # -- built on the above ------------------------------------------------------------
+
+    def gather(self, calls: Mapping[Any, Call], timeout: timedelta | float) -> CallResults:
+        """Wait for ``calls`` (keyed as the caller likes) and read them all.
+
+        Raises:
+            Exception: the original error of a worker whose own code raised.
+        """
+        self.wait(list(calls.values()), timeout)
+        out = CallResults()
+        for key, call in calls.items():
+            try:
+                out.results[key] = self.result(call)
+            except WorkerLost as exc:
+                out.lost[key] = exc
+        return out
+
+    def call(
+        self,
+        method: str,
+        ranks: Iterable[int] | None = None,
+        args: Callable[[int], Sequence[Any]] | None = None,
+        *,
+        timeout: timedelta | float,
+    ) -> CallResults:
+        """Call ``method`` on ``ranks`` (default: every worker) and wait for them all.
+
+        ``args(rank)`` gives each worker's arguments. Returns results and lost workers.
+
+        Raises:
+            Exception: the original error of a worker whose own code raised.
+        """
+        targets = self.ranks() if ranks is None else list(ranks)
+        calls = {r: self.submit(r, method, *(args(r) if args else ())) for r in targets}
+        return self.gather(calls, timeout)

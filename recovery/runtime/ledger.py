@@ -1,0 +1,105 @@
+"""The ledger of redundancy: what copies of the job's state exist, and where.
+
+The controller writes into it what workers report (peer snapshots held, durable writes
+finished, checkpoints taken, the gradient norms CheckFree weighs with) and reads out of it
+the planner's `Redundancy`. Nothing here talks to a worker.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from parallelism.topology import Topology
+from recovery.planner import Redundancy
+from recovery.strategies.checkfree import GradNormTracker
+from recovery.worker import StepReport
+
+__all__ = ["RedundancyLedger"]
+
+
+@dataclass
+class RedundancyLedger:
+    """What redundancy exists, as last reported (see the module docstring)."""
+
+    topology: Topology
+    holdings: dict[int, dict[int, list[int]]] = field(default_factory=dict)
+    """Rank -> the peer snapshots it holds (rank -> steps); its own rank: its own copies."""
+    checkpoint_steps: list[int] = field(default_factory=list)
+    """Steps with a complete checkpoint (the restart baseline)."""
+    durable_steps: list[int] = field(default_factory=list)
+    """Steps with an intact, complete durable snapshot."""
+    durable_writes: dict[int, set[int]] = field(default_factory=dict)
+    """Durable snapshot step -> the ranks whose write of it has finished (not yet complete)."""
+    ring: dict[int, int] = field(default_factory=dict)
+    """Rank -> its buddy in the current generation: the holder of its peer snapshots and
+    (embedding tables) of its shard mirror."""
+    grad_norms: GradNormTracker = field(init=False)
+    """Each stage's clipped gradient norm at the last committed step (CheckFree weights)."""
+
+    def __post_init__(self) -> None:
+        self.grad_norms = GradNormTracker(self.topology.stages)
+
+    def note(self, reports: Mapping[int, StepReport]) -> list[int]:
+        """Record what the workers hold. Returns the durable steps every rank has now
+        finished writing (the caller marks them complete), oldest first."""
+        for rank, report in reports.items():
+            self.holdings[rank] = report.snapshots
+            for step in report.durable_done:
+                self.durable_writes.setdefault(step, set()).add(rank)
+        done = [
+            s for s, ranks in self.durable_writes.items() if len(ranks) == self.topology.world_size
+        ]
+        for step in done:
+            del self.durable_writes[step]
+        return sorted(done)
+
+    def note_norms(self, norms: Iterable[float]) -> None:
+        """The committed step's per-stage clipped gradient norms."""
+        for stage, norm in enumerate(norms):
+            if math.isfinite(norm) and norm >= 0:
+                self.grad_norms.record(stage, norm)
+            else:
+                self.forget_norm(stage)
+
+    def forget_norm(self, stage: int) -> None:
+        """A rebuilt stage has no gradient history yet (CheckFree then weighs uniformly)."""
+        self.grad_norms.norms[stage] = None
+
+    def forget(self, ranks: Iterable[int]) -> None:
+        """Lost workers hold nothing any more."""
+        for rank in ranks:
+            self.holdings.pop(rank, None)
+
+    def rolled_back(self, step: int) -> None:
+        """After a rollback to ``step``: nothing of the abandoned timeline remains."""
+        self.durable_steps = [s for s in self.durable_steps if s <= step]
+        self.durable_writes = {}
+        for held in self.holdings.values():
+            for rank in list(held):
+                held[rank] = [s for s in held[rank] if s <= step]
+
+    def redundancy(
+        self,
+        alive: Mapping[int, int],
+        *,
+        mirror_holder: Mapping[int, int] | None = None,
+        mirror_stale: Mapping[int, bool] | None = None,
+        pls: float = 0.0,
+    ) -> Redundancy:
+        """The planner's view: what survives among the ``alive`` ranks (rank -> step)."""
+        own = {r: self.holdings.get(r, {}).get(r, []) for r in alive}
+        held = {
+            h: {w: steps for w, steps in self.holdings.get(h, {}).items() if w != h} for h in alive
+        }
+        return Redundancy(
+            alive=dict(alive),
+            checkpoint_steps=tuple(self.checkpoint_steps),
+            peer_own=own,
+            peer_held=held,
+            durable_steps=tuple(self.durable_steps),
+            mirror_holder=dict(mirror_holder or {}),
+            mirror_stale=dict(mirror_stale or {}),
+            pls=pls,
+        )

@@ -1,0 +1,210 @@
+"""Snapshots and checkpoints as the controller schedules them: when to take them, when a
+durable snapshot is complete, and resuming from the newest intact one after the driver died.
+
+The copies themselves are made by the workers (recovery/snapshots/); what exists is booked
+in the `RedundancyLedger`. This module decides nothing about recovery.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import tempfile
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from parallelism.topology import Topology
+from recovery.errors import RecoveryError, SnapshotCorrupted
+from recovery.names import Strategy
+from recovery.policy import RecoveryPolicy
+from recovery.runtime.group import WorkerGroup
+from recovery.runtime.ledger import RedundancyLedger
+from recovery.snapshots import DurableStore
+from recovery.spec import TrainSpec
+from recovery.worker import StepReport
+
+__all__ = ["Persistence"]
+
+log = logging.getLogger("checkfree")
+
+
+class Persistence:
+    """The job's snapshot and checkpoint schedule (see the module docstring).
+
+    Args:
+        snapshot_dir: where durable snapshots go (needed when the policy sets
+            ``durable_every``).
+        work_dir: where the restart baseline's checkpoints go (default: a temp folder).
+    """
+
+    def __init__(
+        self,
+        group: WorkerGroup,
+        spec: TrainSpec,
+        topology: Topology,
+        policy: RecoveryPolicy,
+        ledger: RedundancyLedger,
+        *,
+        snapshot_dir: str | None,
+        work_dir: str | None,
+    ) -> None:
+        self.group = group
+        self.spec = spec
+        self.topology = topology
+        self.policy = policy
+        self.ledger = ledger
+        self.snapshot_dir = snapshot_dir
+        self.durable: DurableStore | None = None
+        self.checkpoint_dir = ""
+        if policy.strategy == Strategy.RESTART:
+            self.checkpoint_dir = str(
+                policy.baseline.checkpoint_dir
+                or work_dir
+                or tempfile.mkdtemp(prefix="checkfree-ckpt-")
+            )
+        self.timings: dict[str, list[float]] = {}
+        """Seconds the job was blocked, per kind of work (checkpoint and snapshot writes)."""
+
+    def meta(self) -> dict[str, Any]:
+        """What identifies this job in a durable snapshot: a re-run must match it to resume."""
+        return {
+            "topology": [self.topology.stages, self.topology.replicas],
+            "spec": self.spec.name,
+            "seed": self.spec.seed,
+            "microbatches": self.spec.microbatches,
+        }
+
+    def _timed(self, name: str, start: float) -> None:
+        self.timings.setdefault(name, []).append(time.perf_counter() - start)
+
+    def _all(self, method: str, what: str, *args: Any, timeout: Any) -> dict[int, Any]:
+        got = self.group.call(method, args=lambda rank: args, timeout=timeout)
+        if got.lost:
+            raise RecoveryError(got.describe(what))
+        return got.results
+
+    # -- durable tier --------------------------------------------------------------------
+
+    def open_durable(self, *, resume: bool) -> int | None:
+        """Open the durable tier; with ``resume``, load its newest intact snapshot into
+        every worker. Returns the step resumed from, or None.
+
+        Raises:
+            ValueError: if there is no snapshot folder, or its snapshots belong to another job.
+            RecoveryError: if snapshots exist but none is intact.
+        """
+        if not self.snapshot_dir:
+            raise ValueError(
+                "durable_every needs a snapshot folder: set snapshot_dir or a run folder"
+            )
+        self.durable = DurableStore(self.snapshot_dir)
+        if not resume:
+            return None
+        for step in self.durable.steps():
+            problems = self.durable.verify(step, self.topology.world_size)
+            if problems:
+                log.warning(
+                    "durable snapshot of step %d is not intact, skipping it: %s",
+                    step,
+                    "; ".join(problems),
+                )
+                continue
+            self.durable.check_meta(step, self.meta())
+            try:
+                self._all(
+                    "durable_load",
+                    f"resume from the durable snapshot of step {step}",
+                    self.snapshot_dir,
+                    step,
+                    timeout=self.policy.timeouts.save,
+                )
+            except SnapshotCorrupted as exc:
+                log.warning(
+                    "durable snapshot of step %d is corrupted, trying an older one: %s", step, exc
+                )
+                continue
+            self.durable.discard_after(step)
+            self.ledger.durable_steps = [s for s in self.durable.steps() if s <= step]
+            log.warning(
+                "resumed from the durable snapshot of step %d in %s", step, self.snapshot_dir
+            )
+            return step
+        if self.durable.steps():
+            raise RecoveryError(
+                f"no intact durable snapshot in {self.snapshot_dir} (every complete one failed "
+                "its checksums, see the log); move the folder away to start from scratch"
+            )
+        return None
+
+    def note(self, reports: Mapping[int, StepReport]) -> None:
+        """Book what the workers report holding; mark complete the durable snapshots that
+        every rank has finished writing, and prune old ones."""
+        done = self.ledger.note(reports)
+        if self.durable is None:
+            return
+        for step in done:
+            self.durable.commit(step, self.topology.world_size, self.meta())
+            self.ledger.durable_steps.append(step)
+            removed = self.durable.prune(self.policy.snapshots.keep_durable, checksums=False)
+            self.ledger.durable_steps = [s for s in self.ledger.durable_steps if s not in removed]
+
+    def commit_landed(self) -> None:
+        """Mark complete the durable snapshots whose every rank's files are on disk.
+
+        A worker that died after its write landed never reported it; its manifest (renamed
+        into place only when the write was whole) is the proof instead.
+        """
+        if self.durable is None:
+            return
+        for step in sorted(self.ledger.durable_writes):
+            with contextlib.suppress(FileNotFoundError):
+                self.durable.commit(step, self.topology.world_size, self.meta())
+                del self.ledger.durable_writes[step]
+                self.ledger.durable_steps.append(step)
+
+    def flush(self) -> None:
+        """At the end of a job: let durable writes in flight land and mark them complete,
+        so that a re-run with more steps resumes from the end of this one."""
+        if self.durable is None:
+            return
+        got = self.group.call("flush_snapshots", timeout=self.policy.timeouts.save)
+        self.note(got.results)
+
+    # -- after each commit ---------------------------------------------------------------
+
+    def after_commit(self, step: int) -> None:
+        """Take the checkpoint and snapshots due now that ``step`` steps are committed."""
+        hang = self.policy.timeouts.hang
+        if (
+            self.policy.strategy == Strategy.RESTART
+            and step % self.policy.baseline.checkpoint_every == 0
+        ):
+            start = time.perf_counter()
+            self._all(
+                "save_checkpoint",
+                f"checkpoint step {step}",
+                self.checkpoint_dir,
+                step,
+                timeout=self.policy.timeouts.save,
+            )
+            self.ledger.checkpoint_steps.append(step)
+            self._timed("checkpoint_write", start)
+        every = self.policy.snapshots.peer_every
+        if every and self.topology.world_size > 1 and step % every == 0:
+            start = time.perf_counter()
+            self._all("take_snapshot", "take peer snapshots", step, timeout=hang)
+            self._timed("snapshot_write", start)
+        every = self.policy.snapshots.durable_every
+        if (
+            every
+            and self.durable is not None
+            and step % every == 0
+            and step not in self.ledger.durable_steps
+        ):
+            start = time.perf_counter()
+            self._all(
+                "durable_write", "start durable snapshots", self.snapshot_dir, step, timeout=hang
+            )
+            self._timed("durable_write", start)
+            self.ledger.durable_writes.setdefault(step, set())

@@ -1,0 +1,145 @@
+"""What the controller records: a committed step (`StepRecord`), a detected failure
+(`Failure`), and the `RecoveryEvent` it becomes once the job trains again."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from parallelism.topology import Topology
+from recovery.events import RecoveryEvent
+from recovery.planner import RecoveryPlan
+from recovery.worker import StepReport
+
+__all__ = ["Failure", "StepRecord", "recovery_event", "step_record"]
+
+
+@dataclass
+class StepRecord:
+    """What the controller records for one committed step."""
+
+    step: int
+    loss: float
+    time: float
+    step_s: float
+    tokens_per_s: float
+    generation: int
+    grad_norms: list[float]
+    bubble: float
+    """Pipeline idle fraction: 1 - compute seconds / schedule seconds, over all workers."""
+    val_loss: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def step_record(
+    topology: Topology,
+    step: int,
+    reports: Mapping[int, StepReport],
+    *,
+    elapsed: float,
+    since_start: float,
+    tokens_per_step: int,
+    generation: int,
+) -> StepRecord:
+    """The record of a committed step, from every worker's report."""
+    loss_sum = sum(r.stats.loss_sum for r in reports.values())
+    count = sum(r.stats.losses for r in reports.values())
+    norms = [reports[topology.rank(s, 0)].stats.clipped_grad_norm for s in range(topology.stages)]
+    busy = sum(r.stats.compute_s for r in reports.values())
+    span = sum(r.stats.schedule_s for r in reports.values())
+    return StepRecord(
+        step=step,
+        loss=loss_sum / count if count else math.nan,
+        time=since_start,
+        step_s=elapsed,
+        tokens_per_s=tokens_per_step / elapsed if elapsed > 0 else 0.0,
+        generation=generation,
+        grad_norms=norms,
+        bubble=1.0 - busy / span if span > 0 else 0.0,
+    )
+
+
+@dataclass
+class Failure:
+    """A failed step, as detected."""
+
+    step: int
+    lost: set[int]
+    cause: str
+    detected_at: float
+    struck_at: float
+    errors: dict[int, str]
+    generation: int
+    numerical: bool = False
+    """A non-finite loss or gradient norm: the live state itself is suspect."""
+
+    def describe(self, topology: Topology) -> str:
+        lines = [f"step {self.step} failed in generation {self.generation} ({self.cause}):"]
+        for rank, error in sorted(self.errors.items()):
+            first = error.splitlines()[0][:300] if error else ""
+            lines.append(f"  worker {topology.worker(rank)} (rank {rank}): {first}")
+        return "\n".join(lines)
+
+
+@dataclass
+class Timeline:
+    """Seconds each phase of a recovery took (see `recovery.events.PHASES`)."""
+
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
+
+
+def recovery_event(
+    topology: Topology,
+    failure: Failure,
+    plan: RecoveryPlan,
+    *,
+    lost: Collection[int],
+    warm: Collection[int],
+    moved: int,
+    generation: int,
+    started_wall: float,
+    breakdown: Mapping[str, float],
+    embedding: dict[str, float] | None,
+) -> RecoveryEvent:
+    """The event of a finished recovery (its ``resume`` phase is added at the next commit)."""
+
+    def coords(rank: int) -> tuple[int, int]:
+        worker = topology.worker(rank)
+        return (worker.stage, worker.replica)
+
+    return RecoveryEvent(
+        step=failure.step,
+        generation=generation,
+        cause=failure.cause,
+        lost=[coords(r) for r in sorted(lost)],
+        strategy=plan.strategy,
+        actions=[
+            {
+                "worker": coords(a.rank),
+                "strategy": a.strategy,
+                "sources": [coords(s) for s in a.sources],
+                "warm": a.rank in warm,
+            }
+            for a in plan.actions
+        ],
+        bytes_moved=moved,
+        lost_steps=failure.step - plan.resume_step,
+        time=failure.struck_at - started_wall,
+        tier=plan.tier,
+        breakdown={"detect": max(0.0, failure.detected_at - failure.struck_at), **breakdown},
+        detail=failure.describe(topology) + "\n" + plan.describe(topology),
+        embedding=embedding,
+    )
+
+
+def now() -> float:
+    """Wall-clock seconds (events are placed on the job's wall-clock timeline)."""
+    return time.time()

@@ -1,0 +1,289 @@
+"""`ThreadWorkerGroup`: each worker a thread of this process -- the runtime without Ray.
+
+Each worker is a real `StageWorker` (or subclass) that forms its own Gloo process groups
+on the controller's store, exactly as under Ray, so the controller, the engine, the
+schedules and the state transfers all run for real; only the process boundary is
+simulated. That makes every controller transition testable in milliseconds.
+
+What a process death is here: an injected `Kill` raises `_ThreadKilled` inside the worker
+(instead of SIGKILL), and `kill()` marks the worker dead; either way its process groups
+are torn down at once, so its peers see the same "connection reset" a real death gives
+them, and every call on it from then on is a `WorkerLost`. An injected hang blocks until
+the worker is killed. Nodes are names (``"node-0"``, ...); `remove_node` loses one with
+every worker on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from recovery.runtime.group import (
+    CONTROL_METHODS,
+    Call,
+    CallResults,
+    WorkerGroup,
+    WorkerLost,
+    seconds,
+)
+from recovery.worker import StageWorker, WorkerInfo
+
+__all__ = ["ThreadWorkerGroup"]
+
+
+_SEEDING = frozenset({"setup", "warm", "rebuild"})
+"""Methods that seed torch's global RNG and build from it: one at a time in a process
+whose workers share that RNG (under Ray each worker has a process of its own)."""
+_SEEDING_LOCK = threading.Lock()
+
+
+class _ThreadKilled(BaseException):
+    """An injected death inside a thread worker (a BaseException: no `except Exception`
+    in user or engine code may swallow it)."""
+
+
+_CLASSES_CACHE: dict[type, Any] = {}
+
+
+def _thread_class(worker_cls: type[StageWorker]) -> type[StageWorker]:
+    if worker_cls not in _CLASSES_CACHE:
+        _CLASSES_CACHE[worker_cls] = _make_thread_class(worker_cls)
+    return _CLASSES_CACHE[worker_cls]
+
+
+def _make_thread_class(worker_cls: type[StageWorker]) -> type[StageWorker]:
+    class Threaded(worker_cls):  # type: ignore[valid-type, misc]
+        released: threading.Event
+
+        def _die(self) -> None:
+            raise _ThreadKilled
+
+        def _hang(self) -> None:
+            self.released.wait()
+            raise _ThreadKilled
+
+    Threaded.__name__ = Threaded.__qualname__ = f"Threaded{worker_cls.__name__}"
+    return Threaded
+
+
+@dataclass(eq=False)
+class _Worker:
+    worker: StageWorker
+    node: str
+    main: ThreadPoolExecutor
+    control: ThreadPoolExecutor
+    dead: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(pid=os.getpid(), node_id=self.node, host="127.0.0.1")
+
+
+class ThreadWorkerGroup(WorkerGroup):
+    """Workers as threads of this process (see the module docstring).
+
+    Args:
+        worker_cls: the worker class (from the state layout).
+        nodes: names of the simulated nodes.
+        threads: torch intra-op threads (process-wide here).
+    """
+
+    def __init__(
+        self,
+        worker_cls: type[StageWorker],
+        *,
+        nodes: Sequence[str] = ("node-0",),
+        threads: int = 1,
+    ) -> None:
+        if not nodes:
+            raise ValueError("ThreadWorkerGroup needs at least one node")
+        self.worker_cls = _thread_class(worker_cls)
+        self.threads = threads
+        self._nodes = list(nodes)
+        self._workers: dict[int, _Worker] = {}
+        self._spares: list[_Worker] = []
+        self._warming: dict[int, Future[Any]] = {}
+        self.started = 0
+        """Workers created so far (spares included): what a test counts to see reuse."""
+
+    def _new(self, node: str) -> _Worker:
+        self.started += 1
+        worker = self.worker_cls(self.threads)
+        worker.released = threading.Event()  # type: ignore[attr-defined]
+        name = f"worker-{self.started}"
+        return _Worker(
+            worker=worker,
+            node=node,
+            main=ThreadPoolExecutor(1, thread_name_prefix=name),
+            control=ThreadPoolExecutor(1, thread_name_prefix=f"{name}-control"),
+        )
+
+    # -- membership --------------------------------------------------------------------
+
+    def nodes(self) -> list[str]:
+        return list(self._nodes)
+
+    def remove_node(self, node: str) -> list[int]:
+        """Lose ``node``: every worker and spare on it dies. Returns the ranks lost."""
+        self._nodes.remove(node)
+        ranks = [r for r, w in self._workers.items() if w.node == node]
+        for rank in ranks:
+            self._kill(self._workers[rank])
+        for spare in [s for s in self._spares if s.node == node]:
+            self._kill(spare)
+        return ranks
+
+    def start(
+        self,
+        placement: Mapping[int, str],
+        *,
+        timeout: timedelta | float,
+        spares: bool = False,
+        parked: bool = False,
+    ) -> tuple[CallResults, set[int]]:
+        out = CallResults()
+        warm: set[int] = set()
+        for rank, node in placement.items():
+            old = self._workers.pop(rank, None)
+            if old is not None:
+                self._kill(old)
+            if node not in self._nodes:
+                out.lost[rank] = WorkerLost(rank, f"node {node} is not alive")
+                continue
+            worker = self._take_spare(node) if spares else None
+            if worker is None:
+                worker = self._new(node)
+            else:
+                warm.add(rank)
+            self._workers[rank] = worker
+            out.results[rank] = worker.info
+        return out, warm
+
+    def _take_spare(self, node: str) -> _Worker | None:
+        live = [s for s in self._spares if not s.dead.is_set()]
+        if not live:
+            return None
+        spare = next((s for s in live if s.node == node), live[0])
+        self._spares.remove(spare)
+        warming = self._warming.pop(id(spare), None)
+        if warming is not None:
+            wait_futures([warming])
+        return spare
+
+    def kill(self, ranks: Iterable[int]) -> None:
+        for rank in list(ranks):
+            worker = self._workers.pop(rank, None)
+            if worker is not None:
+                self._kill(worker)
+
+    def _kill(self, worker: _Worker) -> None:
+        """A death: the worker stops answering and its process groups go down."""
+        worker.dead.set()
+        worker.worker.released.set()  # type: ignore[attr-defined]
+        with contextlib.suppress(Exception):
+            worker.worker.abort()
+
+    def info(self, rank: int) -> WorkerInfo:
+        return self._workers[rank].info
+
+    def ranks(self) -> list[int]:
+        return sorted(self._workers)  # like Ray: a worker that died on its own stays until killed
+
+    def alive(self, rank: int) -> bool:
+        """Whether ``rank`` has a live worker (a test's view; the controller never asks)."""
+        worker = self._workers.get(rank)
+        return worker is not None and not worker.dead.is_set()
+
+    # -- spares ------------------------------------------------------------------------
+
+    def add_spares(
+        self, nodes: Sequence[str], warm: Callable[[], tuple[str, tuple[Any, ...]]]
+    ) -> None:
+        for node in nodes:
+            spare = self._new(node)
+            method, args = warm()
+            self._warming[id(spare)] = spare.main.submit(self._run, spare, method, args)
+            self._spares.append(spare)
+
+    def await_spares(self, timeout: timedelta | float) -> int:
+        futures = dict(self._warming)
+        self._warming = {}
+        wait_futures(list(futures.values()), timeout=seconds(timeout))
+        for spare in list(self._spares):
+            future = futures.get(id(spare))
+            if future is not None and (not future.done() or future.exception() is not None):
+                self._kill(spare)
+                self._spares.remove(spare)
+        return len(self._spares)
+
+    def spare_count(self) -> int:
+        return len(self._spares)
+
+    # -- calls -------------------------------------------------------------------------
+
+    def _run(self, worker: _Worker, method: str, args: tuple[Any, ...]) -> Any:
+        if worker.dead.is_set():
+            raise _ThreadKilled
+        try:
+            if method in _SEEDING:
+                with _SEEDING_LOCK:
+                    out = getattr(worker.worker, method)(*args)
+            else:
+                out = getattr(worker.worker, method)(*args)
+        except _ThreadKilled:
+            self._kill(worker)
+            raise
+        except BaseException:
+            if worker.dead.is_set():  # killed meanwhile: a dead process reports nothing
+                raise _ThreadKilled from None
+            raise
+        if worker.dead.is_set() and method not in CONTROL_METHODS:
+            raise _ThreadKilled
+        return out
+
+    def submit(self, rank: int, method: str, *args: Any) -> Call:
+        worker = self._workers.get(rank)
+        if worker is None or worker.dead.is_set():
+            return Call(rank, method, WorkerLost(rank, "the worker is dead"))
+        pool = worker.control if method in CONTROL_METHODS else worker.main
+        return Call(rank, method, (worker, pool.submit(self._run, worker, method, args)))
+
+    def wait(
+        self, calls: Sequence[Call], timeout: timedelta | float, *, first: bool = False
+    ) -> tuple[list[Call], list[Call]]:
+        futures = [c.handle[1] for c in calls if not isinstance(c.handle, WorkerLost)]
+        if futures and not (first and len(futures) < len(calls)):
+            when = "FIRST_COMPLETED" if first else "ALL_COMPLETED"
+            wait_futures(futures, timeout=max(0.0, seconds(timeout)), return_when=when)
+        finished = [c for c in calls if isinstance(c.handle, WorkerLost) or c.handle[1].done()]
+        return finished, [c for c in calls if c not in finished]
+
+    def result(self, call: Call) -> Any:
+        if isinstance(call.handle, WorkerLost):
+            raise call.handle
+        _, future = call.handle
+        if not future.done():
+            raise WorkerLost(call.rank, f"{call.method} did not answer in time")
+        error = future.exception()
+        if isinstance(error, _ThreadKilled):
+            raise WorkerLost(call.rank, f"the worker died during {call.method}")
+        if error is not None:
+            raise error
+        return future.result()
+
+    def shutdown(self, *, clean: bool) -> None:
+        workers = list(self._workers.values()) + self._spares
+        self._workers, self._spares, self._warming = {}, [], {}
+        for worker in workers:
+            self._kill(worker)
+            with contextlib.suppress(Exception):
+                worker.worker.leave()
+            worker.main.shutdown(wait=False, cancel_futures=True)
+            worker.control.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,168 @@
+"""The controller's transitions, driven one `advance` at a time over threads (no Ray).
+
+Each test builds a real job -- real `StageWorker`s forming Gloo groups on a store in this
+process -- on a `ThreadWorkerGroup`, injects a failure at one point, and checks the
+sequence of phases, the plan the planner chose, and the oracle: exact recoveries end
+bit-identical to a run that never failed.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from parallelism import Topology
+from recovery import FailureSchedule, Hang, Kill, KillPoint, RecoveryError, RecoveryPolicy
+from recovery.runtime import Controller, ControllerConfig, Phase, ThreadWorkerGroup
+from recovery.runtime.layouts import layout_for
+from recovery.spec import TrainSpec
+from tests.workloads import mlp_spec
+
+STEPS = 5
+RECOVERY = [Phase.RECOVERING, Phase.REPLACING, Phase.REFORMING, Phase.RESTORING, Phase.RUNNING]
+
+
+def make(
+    spec: TrainSpec,
+    top: Topology,
+    *faults: object,
+    policy: RecoveryPolicy | None = None,
+    nodes: int = 2,
+) -> tuple[Controller, ThreadWorkerGroup]:
+    policy = policy or RecoveryPolicy()
+    group = ThreadWorkerGroup(
+        layout_for(spec, top, policy, 1).worker_cls, nodes=[f"node-{i}" for i in range(nodes)]
+    )
+    controller = Controller(
+        spec,
+        top,
+        ControllerConfig(backend="gloo"),
+        policy=policy,
+        failures=FailureSchedule(list(faults)),  # type: ignore[arg-type]
+        group=group,
+    )
+    controller.start()
+    controller.target_steps = STEPS
+    return controller, group
+
+
+def drive(controller: Controller) -> list[Phase]:
+    phases = []
+    try:
+        while controller.phase not in (Phase.FINISHED, Phase.FAILED):
+            phases.append(controller.advance())
+        states = controller.states() if controller.phase is Phase.FINISHED else {}
+    finally:
+        controller.shutdown()
+    controller.final_states = states  # type: ignore[attr-defined]
+    return phases
+
+
+def after_running(phases: list[Phase]) -> list[Phase]:
+    """The phases from the first that is not RUNNING (the failure) on."""
+    start = next(i for i, p in enumerate(phases) if p is not Phase.RUNNING)
+    return phases[start:]
+
+
+@pytest.fixture(scope="module")
+def oracle() -> dict[tuple[int, int], dict[str, torch.Tensor]]:
+    controller, _ = make(mlp_spec(), Topology(2, 2))
+    phases = drive(controller)
+    assert phases == [Phase.RUNNING] * STEPS + [Phase.FINISHED]
+    return controller.final_states  # type: ignore[attr-defined,no-any-return]
+
+
+def assert_equal_states(states: dict, oracle: dict) -> None:  # type: ignore[type-arg]
+    assert states.keys() == oracle.keys()
+    for key, state in states.items():
+        for name, value in oracle[key]["model"].items():
+            assert torch.equal(state["model"][name], value), (key, name)
+
+
+@pytest.mark.parametrize("at", list(KillPoint), ids=str)
+def test_a_kill_at_each_point_drives_one_recovery_and_ends_exact(at: KillPoint, oracle) -> None:  # type: ignore[no-untyped-def]
+    started = time.monotonic()
+    controller, _ = make(mlp_spec(), Topology(2, 2), Kill(step=2, stage=1, replica=0, at=at))
+    phases = drive(controller)
+    assert after_running(phases)[: len(RECOVERY)] == RECOVERY
+    assert phases[-1] is Phase.FINISHED
+    (event,) = controller.events
+    assert event.strategy == "replica_copy" and event.lost == [(1, 0)]
+    assert event.actions[0]["sources"] == [(1, 1)]
+    # A death after the commit decision leaves the step committed for everyone else.
+    committed = at in (KillPoint.BEFORE_COMMIT, KillPoint.AFTER_COMMIT)
+    assert event.step == (3 if committed else 2)
+    assert set(event.breakdown) == {"detect", "replace", "reform", "transfer", "resume"}
+    assert_equal_states(controller.final_states, oracle)  # type: ignore[attr-defined]
+    assert time.monotonic() - started < 5
+
+
+def test_a_lost_stage_group_rolls_back_to_the_peer_snapshot(oracle) -> None:  # type: ignore[no-untyped-def]
+    controller, _ = make(
+        mlp_spec(),
+        Topology(2, 2),
+        Kill(step=3, stage=0, replica=0),
+        Kill(step=3, stage=0, replica=1),
+        policy=RecoveryPolicy(snapshot_every=2),
+    )
+    phases = drive(controller)
+    assert after_running(phases)[: len(RECOVERY)] == RECOVERY
+    (event,) = controller.events
+    assert event.strategy == "rollback" and event.tier == "peer" and event.lost_steps == 1
+    assert_equal_states(controller.final_states, oracle)  # type: ignore[attr-defined]
+
+
+def test_checkfree_rebuilds_a_lost_middle_stage_from_its_neighbours() -> None:
+    controller, _ = make(
+        mlp_spec(),
+        Topology(3, 1),
+        Kill(step=2, stage=1, replica=0),
+        policy=RecoveryPolicy(approximate="checkfree", snapshot_every=None),
+    )
+    drive(controller)
+    (event,) = controller.events
+    assert event.strategy == "neighbor_average"
+    assert event.actions[0]["sources"] == [(0, 0), (2, 0)]
+    assert controller.phase is Phase.FINISHED and controller.grad_norms[1] is not None
+
+
+def test_without_redundancy_the_job_fails_with_the_reason() -> None:
+    controller, _ = make(
+        mlp_spec(),
+        Topology(2, 1),
+        Kill(step=2, stage=0, replica=0),
+        policy=RecoveryPolicy(snapshot_every=None),
+    )
+    phases = drive(controller)
+    assert phases[-2:] == [Phase.RECOVERING, Phase.FAILED]
+    assert isinstance(controller.error, RecoveryError)
+    assert "stage 0" in str(controller.error)
+
+
+def test_a_hang_is_found_killed_and_replaced(oracle) -> None:  # type: ignore[no-untyped-def]
+    controller, _ = make(
+        mlp_spec(),
+        Topology(2, 2),
+        Hang(step=2, stage=0, replica=1, at=KillPoint.BEFORE_FORWARD),
+        policy=RecoveryPolicy(hang_timeout_s=0.5),
+    )
+    drive(controller)
+    (event,) = controller.events
+    assert event.cause == "hung" and event.lost == [(0, 1)] and event.strategy == "replica_copy"
+    assert_equal_states(controller.final_states, oracle)  # type: ignore[attr-defined]
+
+
+def test_a_lost_node_takes_its_workers_and_they_come_back_elsewhere(oracle) -> None:  # type: ignore[no-untyped-def]
+    controller, group = make(mlp_spec(), Topology(2, 2), nodes=3)
+    while controller.step < 2:
+        controller.advance()
+    victim = controller.infos()[0].node_id
+    doomed = group.remove_node(victim)
+    phases = drive(controller)
+    assert after_running(phases)[: len(RECOVERY)] == RECOVERY
+    (event,) = controller.events
+    assert sorted(controller.topology.rank(s, r) for s, r in event.lost) == doomed
+    assert victim not in {controller.assignment[r] for r in range(4)}
+    assert_equal_states(controller.final_states, oracle)  # type: ignore[attr-defined]
