@@ -60,8 +60,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from parallelism.data import LMBatches, TokenCorpus
-from parallelism.llama import (
+from parallelism.workloads.data import LMBatches, TokenCorpus
+from parallelism.workloads.llama import (
     LlamaConfig,
     LlamaStage,
     build_llama_stage,

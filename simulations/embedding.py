@@ -48,8 +48,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from parallelism.clicks import ClickLogs
-from parallelism.dlrm import DLRMConfig, InProcessDLRM, ShardLayout
+from parallelism.workloads.clicks import ClickLogs
+from parallelism.workloads.dlrm import DLRMConfig, InProcessDLRM, ShardLayout
 from recovery.faults import FailureSchedule, Kill
 from recovery.strategies.embedding import (
     EMBEDDING_POLICIES,

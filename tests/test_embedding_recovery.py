@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallelism.clicks import ClickBatch, ClickLogs
-from parallelism.dlrm import DLRMConfig, InProcessDLRM
+from parallelism.workloads.clicks import ClickBatch, ClickLogs
+from parallelism.workloads.dlrm import DLRMConfig, InProcessDLRM
 from recovery.faults import FailureSchedule, Hang, Kill
 from recovery.strategies.embedding import (
     MFUTracker,
