@@ -23,15 +23,15 @@ from tqdm import tqdm
 
 from simulations.cluster import (
     CAUSES,
-    STRATEGIES,
+    POLICY_MODELS,
     CheckpointRestart,
     Job,
     Layout,
+    PolicyModel,
     Scenario,
     SimulationResult,
     SnapshotPolicy,
-    Strategy,
-    make_strategy,
+    make_policy_model,
     sweep,
 )
 from simulations.costs import CostModel
@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     strat.add_argument(
         "--strategies",
         default="all",
-        help=f"'all' or a comma list of: {', '.join(STRATEGIES)} (default: all)",
+        help=f"'all' or a comma list of: {', '.join(POLICY_MODELS)} (default: all)",
     )
     strat.add_argument(
         "--calibration",
@@ -266,20 +266,20 @@ def cost_model(args: argparse.Namespace) -> CostModel:
     return CostModel.from_dict(fields)
 
 
-def strategies(args: argparse.Namespace) -> tuple[Strategy, ...]:
+def strategies(args: argparse.Namespace) -> tuple[PolicyModel, ...]:
     """The strategies the flags name, configured.
 
     Raises:
         ValueError: for an unknown strategy name or a bad option.
     """
     names = (
-        list(STRATEGIES)
+        list(POLICY_MODELS)
         if args.strategies.strip() == "all"
         else [s.strip() for s in args.strategies.split(",") if s.strip()]
     )
     durable = None if args.durable_every_hours is None else args.durable_every_hours * 3600.0
     policy = SnapshotPolicy(every_steps=args.snapshot_every_steps, durable_every_s=durable)
-    out: list[Strategy] = []
+    out: list[PolicyModel] = []
     for name in names:
         if name == CheckpointRestart.name:
             out.append(
@@ -288,7 +288,7 @@ def strategies(args: argparse.Namespace) -> tuple[Strategy, ...]:
                 )
             )
         else:
-            out.append(make_strategy(name, snapshots=policy, warm_spares=not args.cold_spares))
+            out.append(make_policy_model(name, snapshots=policy, warm_spares=not args.cold_spares))
     return tuple(out)
 
 

@@ -1,13 +1,15 @@
 """Simulations: convergence under failures (in-process) and cluster-scale failure simulation.
 
 This package re-exports the cluster simulator (numpy only: ``traces``, ``costs``,
-``cluster``). The convergence study in ``simulations.convergence`` needs torch and the
-recovery package, so it is imported from its module, not from here.
+``layout``, ``analytics``, ``policy_models``, ``classify``, ``results``, ``cluster``) and
+the names of simulated policies (``policies``). The convergence and embedding studies
+(``simulations.convergence``, ``simulations.embedding``) need torch, so they are imported
+from their modules, not from here.
 """
 
 from simulations.cluster import (
     CAUSES,
-    STRATEGIES,
+    POLICY_MODELS,
     ActionKind,
     CheckFree,
     CheckFreePlus,
@@ -19,23 +21,24 @@ from simulations.cluster import (
     Layout,
     PeerSnapshot,
     Plan,
+    PolicyModel,
     ReplicaCopy,
     Scenario,
     Schedule,
     SimContext,
     SimulationResult,
     SnapshotPolicy,
-    Strategy,
     StrategyResult,
     classify_events,
     exhaustion_probability,
     expected_exhaustions,
-    make_strategy,
+    make_policy_model,
     mean_ci,
     simulate,
     sweep,
 )
 from simulations.costs import CostModel, daly_interval, daly_waste, young_interval, young_waste
+from simulations.policies import SimulatedPolicy
 from simulations.traces import (
     COMPONENTS,
     ClusterShape,
@@ -51,7 +54,7 @@ from simulations.traces import (
 __all__ = [
     "CAUSES",
     "COMPONENTS",
-    "STRATEGIES",
+    "POLICY_MODELS",
     "ActionKind",
     "CheckFree",
     "CheckFreePlus",
@@ -69,13 +72,14 @@ __all__ = [
     "MixedFailures",
     "PeerSnapshot",
     "Plan",
+    "PolicyModel",
     "ReplicaCopy",
     "Scenario",
     "Schedule",
     "SimContext",
+    "SimulatedPolicy",
     "SimulationResult",
     "SnapshotPolicy",
-    "Strategy",
     "StrategyResult",
     "TraceReplay",
     "WeibullFailures",
@@ -85,7 +89,7 @@ __all__ = [
     "exhaustion_probability",
     "expected_exhaustions",
     "llama3_failures",
-    "make_strategy",
+    "make_policy_model",
     "mean_ci",
     "simulate",
     "sweep",

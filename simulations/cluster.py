@@ -102,20 +102,44 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, ClassVar
 
 import numpy as np
 
-from simulations.costs import CostModel, daly_interval, young_interval
-from simulations.traces import ClusterShape, FailureEvents, FailureModel
+from simulations.analytics import exhaustion_probability, expected_exhaustions, mean_ci
+from simulations.classify import classify_events
+from simulations.costs import CostModel
+from simulations.layout import Job, Layout, _pos_int
+from simulations.policy_models import (
+    _EFFECTS,
+    _ROLLBACK,
+    CAUSES,
+    POLICY_MODELS,
+    ActionKind,
+    CheckFree,
+    CheckFreePlus,
+    CheckpointRestart,
+    EmbeddingPartial,
+    EventFacts,
+    PeerSnapshot,
+    Plan,
+    PolicyModel,
+    ReplicaCopy,
+    Schedule,
+    SimContext,
+    SnapshotPolicy,
+    make_policy_model,
+)
+from simulations.results import EventLog, SimulationResult, StrategyResult
+from simulations.traces import FailureEvents, FailureModel
 
+# The engine's public names, and those of the modules it is built from (re-exported so
+# that ``simulations.cluster`` stays the one import of the cluster simulator).
 __all__ = [
     "CAUSES",
-    "STRATEGIES",
+    "POLICY_MODELS",
     "ActionKind",
     "CheckFree",
     "CheckFreePlus",
@@ -127,1084 +151,24 @@ __all__ = [
     "Layout",
     "PeerSnapshot",
     "Plan",
+    "PolicyModel",
     "ReplicaCopy",
     "Scenario",
     "Schedule",
     "SimContext",
     "SimulationResult",
     "SnapshotPolicy",
-    "Strategy",
     "StrategyResult",
     "classify_events",
     "exhaustion_probability",
     "expected_exhaustions",
-    "make_strategy",
+    "make_policy_model",
     "mean_ci",
     "simulate",
     "sweep",
 ]
 
-CAUSES: tuple[str, ...] = (
-    "detection",
-    "replacement",
-    "transfer",
-    "lost_work",
-    "checkpoint",
-    "convergence",
-    "exhausted",
-)
-"""Where lost time goes. ``replacement`` includes re-forming the process groups and, for
-checkpoint-restart, the whole-job restart; ``transfer`` includes snapshot and checkpoint
-loads; ``checkpoint`` is the time spent writing snapshots and checkpoints (kept or lost);
-``exhausted`` is everything a fallback rollback costs (its stall and its lost work)."""
-
-_EFFECTS = ("stall", "approx", "partial", "rollback")
-_TIERS = ("fast", "durable")
 _EPS = 1e-9  # lattice slack, in periods: q within 1e-9 of a period of a lattice point is on it
-_NO_DURABLE = float(2**40)  # "never": fast periods per durable checkpoint when there is none
-
-
-# --------------------------------------------------------------------------- job layout
-
-
-def _pos_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Layout:
-    """How a job's GPUs are split: ``pp`` pipeline stages x ``dp`` replicas x ``tp`` GPUs.
-
-    Raises:
-        ValueError: if a degree is not a positive integer.
-    """
-
-    pp: int
-    """Pipeline stages per replica."""
-    dp: int
-    """Data-parallel pipeline replicas."""
-    tp: int = 1
-    """GPUs per worker (tensor parallelism)."""
-
-    def __post_init__(self) -> None:
-        for name in ("pp", "dp", "tp"):
-            _pos_int(f"Layout.{name}", getattr(self, name))
-
-    @property
-    def gpus(self) -> int:
-        return self.pp * self.dp * self.tp
-
-    @property
-    def workers(self) -> int:
-        return self.pp * self.dp
-
-    @classmethod
-    def parse(cls, text: str) -> Layout:
-        """Parse ``"pp=16,dp=128,tp=8"`` (any order; ``tp`` defaults to 1).
-
-        Raises:
-            ValueError: on an unknown key, a missing ``pp``/``dp`` or a non-integer value.
-        """
-        values: dict[str, int] = {}
-        for part in (p.strip() for p in text.split(",") if p.strip()):
-            key, sep, value = part.partition("=")
-            key = key.strip().lower()
-            if not sep or key not in ("pp", "dp", "tp") or key in values:
-                raise ValueError(f"bad layout {text!r}: expected 'pp=<n>,dp=<n>[,tp=<n>]'")
-            try:
-                values[key] = int(value)
-            except ValueError:
-                raise ValueError(
-                    f"bad layout {text!r}: {key}={value!r} is not an integer"
-                ) from None
-        if "pp" not in values or "dp" not in values:
-            raise ValueError(f"bad layout {text!r}: pp and dp are required")
-        return cls(**values)
-
-    @classmethod
-    def default_for(cls, gpus: int) -> Layout:
-        """A plausible layout for ``gpus``: tp=8 when it divides, up to 16 stages.
-
-        Raises:
-            ValueError: if ``gpus`` is not a positive integer.
-        """
-        gpus = _pos_int("gpus", gpus)
-        tp = 8 if gpus % 8 == 0 else 1
-        pp = next(p for p in (16, 8, 4, 2, 1) if (gpus // tp) % p == 0)
-        return cls(pp=pp, dp=gpus // (tp * pp), tp=tp)
-
-    def __str__(self) -> str:
-        return f"pp={self.pp},dp={self.dp},tp={self.tp}"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Job:
-    """A training job: its size, its layout and the hardware grouping it runs on.
-
-    Raises:
-        ValueError: if ``pp * dp * tp`` differs from ``gpus`` or a count is not positive.
-    """
-
-    gpus: int
-    layout: Layout
-    gpus_per_node: int = 8
-    nodes_per_rack: int = 2
-
-    def __post_init__(self) -> None:
-        _pos_int("Job.gpus", self.gpus)
-        _pos_int("Job.gpus_per_node", self.gpus_per_node)
-        _pos_int("Job.nodes_per_rack", self.nodes_per_rack)
-        if not isinstance(self.layout, Layout):
-            raise ValueError(f"Job.layout must be a Layout, got {self.layout!r}")
-        if self.layout.gpus != self.gpus:
-            raise ValueError(
-                f"layout {self.layout} has {self.layout.gpus} GPUs but the job has {self.gpus}: "
-                "pp * dp * tp must equal the number of GPUs"
-            )
-
-    @property
-    def cluster(self) -> ClusterShape:
-        return ClusterShape(
-            gpus=self.gpus, gpus_per_node=self.gpus_per_node, nodes_per_rack=self.nodes_per_rack
-        )
-
-    @property
-    def partner_offset(self) -> int:
-        """Distance, in nodes, from a node to the node holding its snapshot copy (0: none)."""
-        nodes = self.cluster.nodes
-        if nodes == 1:
-            return 0
-        per_replica = (self.layout.pp * self.layout.tp) // self.gpus_per_node
-        return per_replica if 0 < per_replica < nodes else 1
-
-    def __str__(self) -> str:
-        return f"{self.gpus:,} GPUs ({self.layout})"
-
-
-# --------------------------------------------------------------------------- analytics
-
-
-def exhaustion_probability(*, replicas: int, worker_rate_per_s: float, window_s: float) -> float:
-    """P(a worker's failure finds every other replica of its stage down).
-
-    Definition: a stage group's redundancy is *exhausted* by a failure of one of its
-    workers at time ``t`` if each of the other ``R - 1`` replicas of that stage failed
-    within ``(t - w, t]``, i.e. is still down in its recovery window ``w`` (a failure
-    during a window restarts it, so a worker is down at ``t`` exactly when it failed at
-    least once in the last ``w``).
-
-    Derivation, for workers failing independently as Poisson processes of rate ``λ``:
-    a failure at ``t`` sees the other workers as an outside observer would (PASTA), and
-    each is down with probability ``P(at least one failure in w) = 1 - e^{-λw}``,
-    independently. So ``p = (1 - e^{-λw})^{R-1}`` (``p = 1`` for ``R = 1``).
-
-    Raises:
-        ValueError: for ``replicas < 1`` or a negative rate or window.
-    """
-    _pos_int("replicas", replicas)
-    if worker_rate_per_s < 0 or window_s < 0:
-        raise ValueError(f"rate and window must be >= 0, got {worker_rate_per_s!r}, {window_s!r}")
-    return float(-math.expm1(-worker_rate_per_s * window_s)) ** (replicas - 1)
-
-
-def expected_exhaustions(
-    *, stages: int, replicas: int, worker_rate_per_s: float, window_s: float, horizon_s: float
-) -> float:
-    """Expected number of exhausting failures over ``[0, horizon_s)`` (see
-    :func:`exhaustion_probability`), for a job whose workers start alive at ``t = 0``.
-
-    ``E = S R λ ∫_0^H (1 - e^{-λ min(t, w)})^{R-1} dt``: each of the ``S R`` workers fails
-    at rate ``λ``, and before ``t = w`` the others have had only ``t`` to fail. The
-    probability of at least one exhaustion is ``1 - e^{-E}`` when they are rare.
-
-    Raises:
-        ValueError: for non-positive counts or horizon, or a negative rate or window.
-    """
-    _pos_int("stages", stages)
-    p = exhaustion_probability(
-        replicas=replicas, worker_rate_per_s=worker_rate_per_s, window_s=window_s
-    )
-    if not horizon_s > 0:
-        raise ValueError(f"horizon_s must be > 0, got {horizon_s!r}")
-    ramp = min(window_s, horizon_s)
-    t = np.linspace(0.0, ramp, 2001)
-    ramp_integral = (
-        float(np.trapezoid((-np.expm1(-worker_rate_per_s * t)) ** (replicas - 1), t))
-        if ramp > 0
-        else 0.0
-    )
-    return stages * replicas * worker_rate_per_s * ((horizon_s - ramp) * p + ramp_integral)
-
-
-def mean_ci(values: np.ndarray, level: float = 0.95) -> tuple[float, float, float]:
-    """Mean and two-sided Student-t confidence interval of per-seed values.
-
-    The t quantile uses the Cornish-Fisher expansion (within 0.3% for 3+ degrees of
-    freedom), so no scipy is needed. With one value the interval is ``(nan, nan)``.
-
-    Raises:
-        ValueError: if ``level`` is not in (0, 1) or ``values`` is empty.
-    """
-    if not 0 < level < 1:
-        raise ValueError(f"level must lie in (0, 1), got {level!r}")
-    x = np.asarray(values, dtype=np.float64)
-    if x.size == 0:
-        raise ValueError("mean_ci needs at least one value")
-    m = float(x.mean())
-    n = x.size
-    if n < 2:
-        return m, math.nan, math.nan
-    z = _normal_quantile(0.5 + level / 2)
-    nu = n - 1
-    t = (
-        z
-        + (z**3 + z) / (4 * nu)
-        + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * nu**2)
-        + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * nu**3)
-    )
-    half = t * float(x.std(ddof=1)) / math.sqrt(n)
-    return m, m - half, m + half
-
-
-def _normal_quantile(p: float) -> float:
-    # Acklam's rational approximation refined by one Newton step: |error| < 1e-12.
-    a = (
-        -39.69683028665376,
-        220.9460984245205,
-        -275.9285104469687,
-        138.3577518672690,
-        -30.66479806614716,
-        2.506628277459239,
-    )
-    b = (
-        -54.47609879822406,
-        161.5858368580409,
-        -155.6989798598866,
-        66.80131188771972,
-        -13.28068155288572,
-    )
-    c = (
-        -0.007784894002430293,
-        -0.3223964580411365,
-        -2.400758277161838,
-        -2.549732539343734,
-        4.374664141464968,
-        2.938163982698783,
-    )
-    d = (0.007784695709041462, 0.3224671290700398, 2.445134137142996, 3.754408661907416)
-    if p < 0.02425:
-        s = math.sqrt(-2 * math.log(p))
-        x = (((((c[0] * s + c[1]) * s + c[2]) * s + c[3]) * s + c[4]) * s + c[5]) / (
-            (((d[0] * s + d[1]) * s + d[2]) * s + d[3]) * s + 1
-        )
-    elif p > 1 - 0.02425:
-        return -_normal_quantile(1 - p)
-    else:
-        s = p - 0.5
-        r = s * s
-        x = (
-            (((((a[0] * r + a[1]) * r + a[2]) * r + a[3]) * r + a[4]) * r + a[5])
-            * s
-            / (((((b[0] * r + b[1]) * r + b[2]) * r + b[3]) * r + b[4]) * r + 1)
-        )
-    err = 0.5 * math.erfc(-x / math.sqrt(2)) - p
-    return x - err * math.sqrt(2 * math.pi) * math.exp(x * x / 2)
-
-
-# --------------------------------------------------------------------------- strategies
-
-
-@dataclass(frozen=True, kw_only=True)
-class Schedule:
-    """Where snapshots lie on the progress lattice (see ``[Note: simulator model]``).
-
-    Raises:
-        ValueError: for negative values, or a zero interval with a non-zero write cost
-            (the job would do nothing but write).
-    """
-
-    work_s: float
-    """Work between two fast snapshots, ``T1`` (0: snapshots are free and continuous)."""
-    write_s: float
-    """Blocking time of one fast snapshot, ``C1``."""
-    durable_every: int
-    """Fast periods per durable checkpoint, ``m`` (0: no durable tier -- a durable
-    rollback restarts from the beginning)."""
-    durable_write_s: float
-    """Blocking time of one durable checkpoint, ``C2``."""
-    label: str = ""
-    """How the schedule was chosen, for tables."""
-
-    def __post_init__(self) -> None:
-        for name in ("work_s", "write_s", "durable_write_s"):
-            value = getattr(self, name)
-            if not value >= 0 or (math.isinf(value) and name != "work_s"):
-                raise ValueError(f"Schedule.{name} must be >= 0 and finite, got {value!r}")
-        if (
-            isinstance(self.durable_every, bool)
-            or not isinstance(self.durable_every, int)
-            or self.durable_every < 0
-        ):
-            raise ValueError(
-                f"Schedule.durable_every must be an integer >= 0, got {self.durable_every!r}"
-            )
-        if self.work_s == 0 and (self.write_s > 0 or self.durable_write_s > 0):
-            raise ValueError(
-                f"a snapshot interval of 0 s needs free writes, got write_s={self.write_s}, "
-                f"durable_write_s={self.durable_write_s} (is step_s 0?)"
-            )
-
-    def params(self, horizon_s: float) -> tuple[float, float, float, float, bool]:
-        """``(T1, K1, m, K2, continuous)`` with infinite intervals capped at the horizon."""
-        t1 = min(self.work_s, 2.0 * horizon_s)
-        if t1 == 0:
-            return 0.0, 1.0, 1.0, 1.0, True
-        k1 = t1 + self.write_s
-        m = float(self.durable_every) if self.durable_every else _NO_DURABLE
-        return t1, k1, m, m * k1 + self.durable_write_s, False
-
-
-@dataclass(frozen=True, kw_only=True)
-class ActionKind:
-    """One thing a strategy may do about a failure, with its cost.
-
-    Raises:
-        ValueError: for an unknown effect, tier or cause, or a negative downtime.
-    """
-
-    name: str
-    """Label in event logs and tables."""
-    effect: str
-    """What it does to progress: ``stall``, ``approx``, ``partial`` or ``rollback``."""
-    downtime: Mapping[str, float]
-    """Seconds of job-wide stall per cause; the phases run in :data:`CAUSES` order."""
-    tier: str = "fast"
-    """Snapshot tier a rollback (or the staleness of a partial restore) refers to."""
-    loss_cause: str = "lost_work"
-    """Cause that progress lost by this action is booked under."""
-
-    def __post_init__(self) -> None:
-        if self.effect not in _EFFECTS:
-            raise ValueError(f"ActionKind.effect must be one of {_EFFECTS}, got {self.effect!r}")
-        if self.tier not in _TIERS:
-            raise ValueError(f"ActionKind.tier must be one of {_TIERS}, got {self.tier!r}")
-        for cause, seconds in [*self.downtime.items(), (self.loss_cause, 0.0)]:
-            if cause not in CAUSES:
-                raise ValueError(f"unknown cause {cause!r}; causes are {CAUSES}")
-            if not (seconds >= 0 and math.isfinite(seconds)):
-                raise ValueError(f"downtime for {cause!r} must be >= 0 and finite, got {seconds!r}")
-
-    @property
-    def total_s(self) -> float:
-        return float(sum(self.downtime.values()))
-
-
-def _downtime(at_least: float = 0.0, **phases: float) -> dict[str, float]:
-    """Phases in cause order; the last one is stretched so the total is >= ``at_least``."""
-    phases = {k: v for k, v in phases.items() if v > 0} or {next(iter(phases)): 0.0}
-    total = sum(phases.values())
-    if total < at_least:
-        last = next(reversed(phases))
-        phases[last] += at_least - total
-    return phases
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class EventFacts:
-    """What a failure event left behind, under a strategy's recovery window.
-
-    A stage group is *lost* when every replica of that stage is down (see
-    :func:`exhaustion_probability` for when a worker counts as down).
-    """
-
-    lost_stages: np.ndarray
-    """Stage groups this event left with no live replica."""
-    adjacent: np.ndarray
-    """Some lost group has a neighbouring group that is also entirely down."""
-    edge: np.ndarray
-    """A lost group is the first or the last stage."""
-    tier_lost: np.ndarray
-    """The event destroyed host memory whose snapshot copy was also down: the fast
-    snapshot tier cannot restore every worker."""
-
-    @classmethod
-    def none(cls, n: int) -> EventFacts:
-        """Facts for strategies that ignore them: nothing lost."""
-        zeros = np.zeros(n, dtype=bool)
-        return cls(
-            lost_stages=np.zeros(n, dtype=np.int64), adjacent=zeros, edge=zeros, tier_lost=zeros
-        )
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class Plan:
-    """A strategy's decision for every event: an action kind and its parameters."""
-
-    kind: np.ndarray
-    """Index into the strategy's :meth:`Strategy.kinds`."""
-    penalty_s: np.ndarray | None = None
-    """``approx`` actions: progress lost (seconds of active time)."""
-    keep: np.ndarray | None = None
-    """``partial`` actions: fraction of the progress since the snapshot that is kept."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class SimContext:
-    """Everything a strategy may read to decide its costs."""
-
-    job: Job
-    costs: CostModel
-    horizon_s: float
-    job_mtbf_s: float
-    """Mean time between failure events of the whole job (for checkpoint intervals)."""
-
-    def transfer_s(self, nbytes: float) -> float:
-        """Seconds to move ``nbytes`` of one replica's state into a worker, each GPU
-        receiving its ``1 / (pp * tp)`` shard in parallel."""
-        per_gpu = nbytes / (self.job.layout.pp * self.job.layout.tp)
-        return per_gpu / self.costs.transfer_bytes_per_s
-
-
-class Strategy(ABC):
-    """A recovery strategy as the simulator sees it: a snapshot schedule, the actions it
-    may take, and a vectorised rule choosing one per failure event."""
-
-    name: ClassVar[str]
-    exact: ClassVar[bool]
-    """Exact strategies never change the model beyond what a failure-free run holds."""
-
-    def down_window_s(self, ctx: SimContext) -> float | None:
-        """How long a killed worker stays down (``None``: the strategy needs no facts)."""
-        return None
-
-    @abstractmethod
-    def schedule(self, ctx: SimContext) -> Schedule:
-        """The snapshot and checkpoint schedule."""
-
-    @abstractmethod
-    def kinds(self, ctx: SimContext) -> tuple[ActionKind, ...]:
-        """The actions this strategy may take."""
-
-    @abstractmethod
-    def plan(self, facts: EventFacts, ctx: SimContext) -> Plan:
-        """One action per event."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class CheckpointRestart(Strategy):
-    """The baseline: every failure restarts the whole job from the last durable checkpoint.
-
-    Each failure costs detection, a whole-job restart, the checkpoint load and the work
-    since the last checkpoint; every ``T`` of work costs a checkpoint write ``C``, with ``T``
-    from Daly's (default) or Young's formula for the job MTBF, or given.
-
-    Raises:
-        ValueError: for a non-positive interval or an unknown formula.
-    """
-
-    name: ClassVar[str] = "checkpoint_restart"
-    exact: ClassVar[bool] = True
-    interval_s: float | None = None
-    """Work between checkpoints; ``None``: from ``formula``."""
-    formula: str = "daly"
-    """``daly`` or ``young``."""
-
-    def __post_init__(self) -> None:
-        if self.interval_s is not None and not self.interval_s > 0:
-            raise ValueError(f"CheckpointRestart.interval_s must be > 0, got {self.interval_s!r}")
-        if self.formula not in ("daly", "young"):
-            raise ValueError(
-                f"CheckpointRestart.formula must be 'daly' or 'young', got {self.formula!r}"
-            )
-
-    def schedule(self, ctx: SimContext) -> Schedule:
-        c = ctx.costs.checkpoint_write_s
-        if self.interval_s is not None:
-            t, label = self.interval_s, "given"
-        elif not math.isfinite(ctx.job_mtbf_s):
-            t, label = math.inf, "no failures expected"
-        else:
-            rule = daly_interval if self.formula == "daly" else young_interval
-            t, label = rule(c, ctx.job_mtbf_s), self.formula.capitalize()
-        return Schedule(
-            work_s=t,
-            write_s=0.0,
-            durable_every=1,
-            durable_write_s=c,
-            label=f"checkpoint every {t:,.0f} s ({label})",
-        )
-
-    def kinds(self, ctx: SimContext) -> tuple[ActionKind, ...]:
-        c = ctx.costs
-        down = _downtime(
-            detection=c.detect_s, replacement=c.restart_s, transfer=c.checkpoint_load_s
-        )
-        return (ActionKind(name="restart", effect="rollback", tier="durable", downtime=down),)
-
-    def plan(self, facts: EventFacts, ctx: SimContext) -> Plan:
-        return Plan(kind=np.zeros(len(facts.lost_stages), dtype=np.int64))
-
-
-@dataclass(frozen=True, kw_only=True)
-class SnapshotPolicy:
-    """The rollback tiers behind a peer-based strategy.
-
-    Raises:
-        ValueError: for a non-positive interval.
-    """
-
-    every_steps: int | None = 50
-    """Steps between in-memory snapshots (``None``: no fast tier; rollbacks go to the
-    durable checkpoint)."""
-    durable_every_s: float | None = 3 * 3600.0
-    """Work between durable checkpoints (``None``: none; a durable rollback loses
-    everything). Three hours: peers absorb single failures, so the durable tier only has
-    to cover disasters, as in Gemini."""
-
-    def __post_init__(self) -> None:
-        if self.every_steps is not None:
-            _pos_int("SnapshotPolicy.every_steps", self.every_steps)
-        if self.durable_every_s is not None and not (
-            self.durable_every_s > 0 and math.isfinite(self.durable_every_s)
-        ):
-            raise ValueError(
-                f"SnapshotPolicy.durable_every_s must be > 0, got {self.durable_every_s!r}"
-            )
-
-
-@dataclass(frozen=True, kw_only=True)
-class _PeerStrategy(Strategy):
-    """Shared parts of the strategies that replace only the dead workers."""
-
-    snapshots: SnapshotPolicy = field(default_factory=SnapshotPolicy)
-    warm_spares: bool = True
-    """Replacements come from a pool of warm spares (``replace_warm_s``), else cold
-    (``replace_s``)."""
-
-    def schedule(self, ctx: SimContext) -> Schedule:
-        c, p = ctx.costs, self.snapshots
-        durable = p.durable_every_s
-        if p.every_steps is None:
-            t = durable if durable is not None else math.inf
-            return Schedule(
-                work_s=t,
-                write_s=0.0,
-                durable_every=1,
-                durable_write_s=c.checkpoint_write_s if durable else 0.0,
-                label=f"checkpoint every {t:,.0f} s" if durable else "no snapshots or checkpoints",
-            )
-        t1 = p.every_steps * c.step_s
-        m = 0 if durable is None else max(1, round(durable / t1)) if t1 > 0 else 1
-        label = f"snapshot every {p.every_steps} steps" + (
-            f", checkpoint every {m * t1:,.0f} s" if m else ", no checkpoints"
-        )
-        return Schedule(
-            work_s=t1,
-            write_s=c.snapshot_write_s,
-            durable_every=m,
-            durable_write_s=c.checkpoint_write_s if m else 0.0,
-            label=label,
-        )
-
-    def _replace_s(self, ctx: SimContext) -> float:
-        c = ctx.costs
-        return (c.replace_warm_s if self.warm_spares else c.replace_s) + c.reform_s
-
-    def _copy(self, ctx: SimContext) -> ActionKind:
-        c = ctx.costs
-        down = _downtime(
-            detection=c.detect_s,
-            replacement=self._replace_s(ctx),
-            transfer=ctx.transfer_s(c.model_state_bytes),
-        )
-        return ActionKind(name="replica_copy", effect="stall", downtime=down)
-
-    def _fast_load_s(self, ctx: SimContext) -> float:
-        return (
-            ctx.costs.snapshot_load_s
-            if self.snapshots.every_steps is not None
-            else ctx.costs.checkpoint_load_s
-        )
-
-    def _fallbacks(
-        self, ctx: SimContext, at_least: float, cause: str = "exhausted"
-    ) -> tuple[ActionKind, ActionKind]:
-        c = ctx.costs
-        base = c.detect_s + self._replace_s(ctx)
-        fast = max(base + self._fast_load_s(ctx), at_least)
-        durable = max(base + c.checkpoint_load_s, fast)
-        return (
-            ActionKind(
-                name="fallback_rollback",
-                effect="rollback",
-                tier="fast",
-                downtime={cause: fast},
-                loss_cause=cause,
-            ),
-            ActionKind(
-                name="fallback_durable",
-                effect="rollback",
-                tier="durable",
-                downtime={cause: durable},
-                loss_cause=cause,
-            ),
-        )
-
-    def down_window_s(self, ctx: SimContext) -> float | None:
-        return self._copy(ctx).total_s
-
-
-@dataclass(frozen=True, kw_only=True)
-class PeerSnapshot(_PeerStrategy):
-    """Gemini-style: every failure rolls every worker back to the last in-memory snapshot
-    (fast reload); the durable checkpoint only when the snapshot tier itself is lost."""
-
-    name: ClassVar[str] = "peer_snapshot"
-    exact: ClassVar[bool] = True
-
-    def kinds(self, ctx: SimContext) -> tuple[ActionKind, ...]:
-        c = ctx.costs
-        down = _downtime(
-            detection=c.detect_s, replacement=self._replace_s(ctx), transfer=self._fast_load_s(ctx)
-        )
-        rollback = ActionKind(name="rollback", effect="rollback", tier="fast", downtime=down)
-        return rollback, self._fallbacks(ctx, rollback.total_s)[1]
-
-    def down_window_s(self, ctx: SimContext) -> float | None:
-        return self.kinds(ctx)[0].total_s
-
-    def plan(self, facts: EventFacts, ctx: SimContext) -> Plan:
-        return Plan(kind=facts.tier_lost.astype(np.int64))
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReplicaCopy(_PeerStrategy):
-    """Oobleck/torchft-style: a replacement copies the state of a live replica of its
-    stage (exact, no lost work); when none is alive, roll back."""
-
-    name: ClassVar[str] = "replica_copy"
-    exact: ClassVar[bool] = True
-
-    def kinds(self, ctx: SimContext) -> tuple[ActionKind, ...]:
-        copy = self._copy(ctx)
-        return (copy, *self._fallbacks(ctx, copy.total_s))
-
-    def plan(self, facts: EventFacts, ctx: SimContext) -> Plan:
-        kind = np.where(facts.lost_stages > 0, np.where(facts.tier_lost, 2, 1), 0)
-        return Plan(kind=kind)
-
-
-@dataclass(frozen=True, kw_only=True)
-class CheckFree(_PeerStrategy):
-    """CheckFree: replica copy while a replica lives; a lost stage group is rebuilt as the
-    gradient-norm-weighted average of its neighbours (approximate, with a convergence
-    penalty); the first and last stage, or two adjacent lost groups, fall back to rollback."""
-
-    name: ClassVar[str] = "checkfree"
-    exact: ClassVar[bool] = False
-    handles_edges: ClassVar[bool] = False
-
-    def kinds(self, ctx: SimContext) -> tuple[ActionKind, ...]:
-        c = ctx.costs
-        copy = self._copy(ctx)
-        down = _downtime(
-            copy.total_s,
-            detection=c.detect_s,
-            replacement=self._replace_s(ctx),
-            transfer=ctx.transfer_s(2.0 * c.model_weight_bytes),
-        )
-        approx = ActionKind(
-            name="approximate", effect="approx", downtime=down, loss_cause="convergence"
-        )
-        fast_fb, durable_fb = self._fallbacks(ctx, approx.total_s)
-        approx_durable = replace(approx, name="approximate_durable", tier="durable")
-        return copy, approx, approx_durable, fast_fb, durable_fb
-
-    def plan(self, facts: EventFacts, ctx: SimContext) -> Plan:
-        stages = ctx.job.layout.pp
-        lost = facts.lost_stages > 0
-        if self.handles_edges:
-            blocked = facts.adjacent | (stages < 2)
-        else:
-            blocked = facts.adjacent | facts.edge
-        tier = facts.tier_lost.astype(np.int64)
-        kind = np.where(~lost, 0, np.where(blocked, 3 + tier, 1 + tier))
-        penalty = facts.lost_stages * (ctx.costs.approx_penalty_steps * ctx.costs.step_s)
-        return Plan(kind=kind, penalty_s=penalty.astype(np.float64))
-
-
-@dataclass(frozen=True, kw_only=True)
-class CheckFreePlus(CheckFree):
-    """CheckFree+: as CheckFree, and a lost first or last stage is copied from its swap
-    partner (out-of-order pipelining), with the (de)embedding from the neighbour's copy."""
-
-    name: ClassVar[str] = "checkfree+"
-    handles_edges: ClassVar[bool] = True
-
-
-@dataclass(frozen=True, kw_only=True)
-class EmbeddingPartial(_PeerStrategy):
-    """CPR-style partial recovery: replica copy while a replica lives; a lost group's
-    state is restored stale from its last snapshot while every other worker keeps its
-    current state (no rollback); penalty proportional to the lost updates (PLS).
-
-    Meant for embedding-dominated (recommendation) jobs, where each worker holds shards
-    of sparse tables; for dense models stale layers cost more than the PLS proxy says."""
-
-    name: ClassVar[str] = "embedding_partial"
-    exact: ClassVar[bool] = False
-
-    def kinds(self, ctx: SimContext) -> tuple[ActionKind, ...]:
-        c = ctx.costs
-        copy = self._copy(ctx)
-        fast = _downtime(
-            copy.total_s,
-            detection=c.detect_s,
-            replacement=self._replace_s(ctx),
-            transfer=self._fast_load_s(ctx),
-        )
-        partial = ActionKind(
-            name="partial_restore", effect="partial", downtime=fast, loss_cause="convergence"
-        )
-        floor = partial.total_s
-        durable = _downtime(
-            floor,
-            detection=c.detect_s,
-            replacement=self._replace_s(ctx),
-            transfer=c.checkpoint_load_s,
-        )
-        partial_durable = ActionKind(
-            name="partial_durable",
-            effect="partial",
-            tier="durable",
-            downtime=durable,
-            loss_cause="convergence",
-        )
-        return copy, partial, partial_durable
-
-    def plan(self, facts: EventFacts, ctx: SimContext) -> Plan:
-        share = facts.lost_stages / ctx.job.layout.pp
-        keep = np.clip(1.0 - ctx.costs.pls_penalty_scale * share, 0.0, 1.0)
-        kind = np.where(facts.lost_stages > 0, 1 + facts.tier_lost.astype(np.int64), 0)
-        return Plan(kind=kind, keep=keep)
-
-
-STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls
-    for cls in (
-        CheckpointRestart,
-        PeerSnapshot,
-        ReplicaCopy,
-        CheckFree,
-        CheckFreePlus,
-        EmbeddingPartial,
-    )
-}
-"""Every built-in strategy by name, in table order."""
-
-
-def make_strategy(name: str, **options: Any) -> Strategy:
-    """Build a built-in strategy by name.
-
-    Raises:
-        ValueError: for an unknown name or option.
-    """
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}")
-    try:
-        return STRATEGIES[name](**options)
-    except TypeError as err:
-        raise ValueError(f"bad options for strategy {name!r}: {err}") from err
-
-
-# --------------------------------------------------------------------------- classification
-
-
-def classify_events(events: FailureEvents, job: Job, window_s: float) -> EventFacts:
-    """What each failure event leaves behind when a killed worker stays down ``window_s``.
-
-    Vectorised for events with no other event of their seed within the window (nearly
-    all of them); the rest are resolved exactly, one by one.
-
-    Raises:
-        ValueError: if the events were drawn for another cluster, or ``window_s < 0``.
-    """
-    if events.cluster != job.cluster:
-        raise ValueError(f"events were drawn for {events.cluster}, the job runs on {job.cluster}")
-    if not window_s >= 0:
-        raise ValueError(f"window_s must be >= 0, got {window_s!r}")
-    s_count, r_count, tp = job.layout.pp, job.layout.dp, job.layout.tp
-    gpn, nodes, off = job.gpus_per_node, job.cluster.nodes, job.partner_offset
-    n = len(events)
-    first, last = events.first_gpu, events.first_gpu + events.num_gpus - 1
-    lo, hi = first // tp, last // tp
-    host = events.component > 0
-    nlo, nhi = first // gpn, last // gpn
-    # Event i's window: the events of its seed from ``start[i]`` to i that struck within
-    # ``(t_i - w, t_i]``; i itself always counts (its workers are down from its instant on).
-    start = np.empty(n, dtype=np.int64)
-    for a, b in itertools.pairwise(events.offsets.tolist()):
-        t = events.time_s[a:b]
-        start[a:b] = a + np.searchsorted(t, t - window_s, side="right")
-    idx = np.arange(n)
-    start = np.minimum(start, idx)
-    alone = start == idx
-
-    # One event alone: stage s is fully down iff every replica's worker r*S+s is in [lo, hi].
-    top = np.minimum(s_count - 1, hi - (r_count - 1) * s_count)
-    lost = np.where(lo < s_count, np.maximum(0, top - lo + 1), 0)
-    edge = (lost > 0) & ((lo == 0) | (top == s_count - 1))
-    adjacent = lost >= 2
-    span = nhi - nlo
-    tier_lost = host & ((off == 0) | (span >= off) | (span >= nodes - off))
-
-    # Exhaustion needs R distinct replicas down; bound them by the replicas each window event touches.
-    touched = np.concatenate([[0], np.cumsum(hi // s_count - lo // s_count + 1)])
-    feasible = touched[idx + 1] - touched[start] >= r_count
-    host_sum = np.concatenate([[0], np.cumsum(host)])
-    slow_lost = feasible & ~alone
-    slow_tier = host & (host_sum[idx + 1] - host_sum[start] >= 2)
-    lost[~feasible] = 0
-    edge &= feasible
-    adjacent &= feasible
-    for i in np.flatnonzero(slow_lost | slow_tier).tolist():
-        window = range(int(start[i]), i + 1)
-        if slow_lost[i]:
-            down: set[int] = set()
-            for j in window:
-                down.update(range(int(lo[j]), int(hi[j]) + 1))
-            per_stage: dict[int, int] = {}
-            for w in down:
-                per_stage[w % s_count] = per_stage.get(w % s_count, 0) + 1
-            mine = {
-                w % s_count
-                for w in range(int(lo[i]), min(int(hi[i]), int(lo[i]) + s_count - 1) + 1)
-            }
-            gone = [s for s in mine if per_stage[s] == r_count]
-            lost[i] = len(gone)
-            edge[i] = any(s in (0, s_count - 1) for s in gone)
-            adjacent[i] = any(
-                per_stage.get(s - 1, 0) == r_count or per_stage.get(s + 1, 0) == r_count
-                for s in gone
-            )
-        if slow_tier[i]:
-            dead: set[int] = set()
-            for j in window:
-                if host[j]:
-                    dead.update(range(int(nlo[j]), int(nhi[j]) + 1))
-            tier_lost[i] = off == 0 or any(
-                (v + off) % nodes in dead or (v - off) % nodes in dead
-                for v in range(int(nlo[i]), int(nhi[i]) + 1)
-            )
-    return EventFacts(
-        lost_stages=lost.astype(np.int64), adjacent=adjacent, edge=edge, tier_lost=tier_lost
-    )
-
-
-# --------------------------------------------------------------------------- results
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class EventLog:
-    """Every failure event of every seed and what one strategy did about it."""
-
-    action_names: tuple[str, ...]
-    seed: np.ndarray
-    time_s: np.ndarray
-    component: np.ndarray
-    """Kind code of the failed component (see ``simulations.traces.COMPONENTS``)."""
-    first_gpu: np.ndarray
-    num_gpus: np.ndarray
-    action: np.ndarray
-    """Index into :attr:`action_names`."""
-    downtime_s: np.ndarray
-    """Job-wide stall this event started (overlapping stalls are not double-counted in
-    the per-cause totals)."""
-    progress_lost_s: np.ndarray
-    """Useful training time this event discarded (rollback, penalty, staleness)."""
-
-    def __len__(self) -> int:
-        return len(self.time_s)
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class StrategyResult:
-    """One strategy's outcome, per Monte Carlo seed."""
-
-    name: str
-    exact: bool
-    schedule: str
-    """How its snapshots and checkpoints were scheduled."""
-    horizon_s: float
-    goodput: np.ndarray
-    """Useful training time over wall time, per seed."""
-    lost_s: dict[str, np.ndarray]
-    """Wall time lost per cause (:data:`CAUSES`), per seed; with the useful time they sum
-    to the horizon."""
-    actions: dict[str, np.ndarray]
-    """Number of events per action, per seed."""
-    events: EventLog | None = None
-
-    def goodput_ci(self, level: float = 0.95) -> tuple[float, float, float]:
-        """Mean goodput and its confidence interval over seeds."""
-        return mean_ci(self.goodput, level)
-
-    def lost_fraction(self) -> dict[str, float]:
-        """Mean fraction of wall time lost per cause."""
-        return {c: float(v.mean()) / self.horizon_s for c, v in self.lost_s.items()}
-
-    def mean_actions(self) -> dict[str, float]:
-        return {a: float(v.mean()) for a, v in self.actions.items()}
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class SimulationResult:
-    """The outcome of :func:`simulate`: every strategy on the same failures."""
-
-    job: Job
-    horizon_s: float
-    failures: str
-    first_seed: int
-    failures_per_seed: np.ndarray
-    job_mtbf_s: float
-    strategies: tuple[StrategyResult, ...]
-
-    @property
-    def num_seeds(self) -> int:
-        return len(self.failures_per_seed)
-
-    def __getitem__(self, name: str) -> StrategyResult:
-        for result in self.strategies:
-            if result.name == name:
-                return result
-        raise KeyError(
-            f"no strategy {name!r} in this result; have {[r.name for r in self.strategies]}"
-        )
-
-    def table(self, level: float = 0.95) -> str:
-        """Goodput with its confidence interval and the percent of wall time lost per
-        cause, one row per strategy."""
-        head = (
-            f"{self.job}, {self.horizon_s / 86400:g} days, {self.failures}\n"
-            f"{self.num_seeds} seeds, {self.failures_per_seed.mean():,.1f} failures per seed "
-            f"(job MTBF {self.job_mtbf_s / 3600:,.2f} h); lost time in % of wall time\n"
-        )
-        short = {
-            "detection": "detect",
-            "replacement": "replace",
-            "transfer": "transfer",
-            "lost_work": "lost work",
-            "checkpoint": "ckpt",
-            "convergence": "converge",
-            "exhausted": "exhausted",
-        }
-        cols = f"{'strategy':<20}{'goodput':>8}  {f'{level:.0%} CI':<17}" + "".join(
-            f"{short[c]:>10}" for c in CAUSES
-        )
-        rows = [cols, "-" * len(cols)]
-        for r in self.strategies:
-            m, lo, hi = r.goodput_ci(level)
-            lost = r.lost_fraction()
-            ci = f"[{lo:.4f}, {hi:.4f}]" if math.isfinite(lo) else "-"
-            rows.append(
-                f"{r.name:<20}{m:>8.4f}  {ci:<17}"
-                + "".join(f"{100 * lost[c]:>10.3f}" for c in CAUSES)
-            )
-        rows.append("")
-        rows.append("actions per seed (mean) and schedules:")
-        for r in self.strategies:
-            acts = (
-                ", ".join(f"{a} {v:,.1f}" for a, v in r.mean_actions().items() if v > 0) or "none"
-            )
-            rows.append(f"  {r.name:<20}{acts}; {r.schedule}")
-        return head + "\n".join(rows)
-
-    def to_dict(self, level: float = 0.95) -> dict[str, Any]:
-        """A JSON-ready summary (means and confidence intervals, no per-event data)."""
-        out: dict[str, Any] = {
-            "gpus": self.job.gpus,
-            "layout": str(self.job.layout),
-            "horizon_s": self.horizon_s,
-            "failures": self.failures,
-            "seeds": self.num_seeds,
-            "failures_per_seed": float(self.failures_per_seed.mean()),
-            "job_mtbf_s": self.job_mtbf_s,
-            "strategies": {},
-        }
-        for r in self.strategies:
-            m, lo, hi = r.goodput_ci(level)
-            out["strategies"][r.name] = {
-                "exact": r.exact,
-                "schedule": r.schedule,
-                "goodput": m,
-                "goodput_ci": [lo, hi],
-                "lost_fraction": r.lost_fraction(),
-                "actions_per_seed": r.mean_actions(),
-            }
-        return out
-
-    @staticmethod
-    def merge(results: Sequence[SimulationResult]) -> SimulationResult:
-        """Concatenate results over disjoint seed ranges of one scenario (in order).
-
-        Raises:
-            ValueError: if the results are empty or describe different scenarios.
-        """
-        if not results:
-            raise ValueError("nothing to merge")
-        first = results[0]
-        names = [r.name for r in first.strategies]
-        for res in results[1:]:
-            if (
-                res.job != first.job
-                or res.horizon_s != first.horizon_s
-                or [r.name for r in res.strategies] != names
-            ):
-                raise ValueError("can only merge results of the same scenario")
-        shifts = np.cumsum([0] + [r.num_seeds for r in results[:-1]])
-        merged = []
-        for k, base in enumerate(first.strategies):
-            parts = [res.strategies[k] for res in results]
-            logs = [p.events for p in parts]
-            events = None
-            if all(log is not None for log in logs):
-                events = EventLog(
-                    action_names=base.events.action_names,  # type: ignore[union-attr]
-                    **{
-                        name: np.concatenate(
-                            [
-                                getattr(log, name) + (shift if name == "seed" else 0)
-                                for log, shift in zip(logs, shifts, strict=True)
-                            ]
-                        )
-                        for name in (
-                            "seed",
-                            "time_s",
-                            "component",
-                            "first_gpu",
-                            "num_gpus",
-                            "action",
-                            "downtime_s",
-                            "progress_lost_s",
-                        )
-                    },
-                )
-            merged.append(
-                replace(
-                    base,
-                    goodput=np.concatenate([p.goodput for p in parts]),
-                    lost_s={c: np.concatenate([p.lost_s[c] for p in parts]) for c in CAUSES},
-                    actions={
-                        a: np.concatenate([p.actions[a] for p in parts]) for a in base.actions
-                    },
-                    events=events,
-                )
-            )
-        counts = np.concatenate([r.failures_per_seed for r in results])
-        return replace(first, failures_per_seed=counts, strategies=tuple(merged))
-
 
 # --------------------------------------------------------------------------- the engine
 
@@ -1241,12 +205,12 @@ class _Lattice:
         return np.where(self.cont, q, out) if self.any_cont else out
 
 
-def _resolve(strategies: Sequence[Strategy | str] | None) -> list[Strategy]:
+def _resolve(strategies: Sequence[PolicyModel | str] | None) -> list[PolicyModel]:
     if strategies is None:
-        return [cls() for cls in STRATEGIES.values()]
-    out = [make_strategy(s) if isinstance(s, str) else s for s in strategies]
+        return [cls() for cls in POLICY_MODELS.values()]
+    out = [make_policy_model(s) if isinstance(s, str) else s for s in strategies]
     for s in out:
-        if not isinstance(s, Strategy):
+        if not isinstance(s, PolicyModel):
             raise ValueError(f"not a strategy: {s!r}")
     names = [s.name for s in out]
     if len(set(names)) != len(names):
@@ -1259,7 +223,7 @@ def _resolve(strategies: Sequence[Strategy | str] | None) -> list[Strategy]:
 def simulate(
     job: Job,
     failures: FailureModel | FailureEvents,
-    strategies: Sequence[Strategy | str] | None = None,
+    strategies: Sequence[PolicyModel | str] | None = None,
     *,
     horizon_s: float | None = None,
     costs: CostModel | None = None,
@@ -1334,7 +298,7 @@ def simulate(
 
 @dataclass
 class _Prepared:
-    strategy: Strategy
+    strategy: PolicyModel
     kinds: tuple[ActionKind, ...]
     kind: np.ndarray  # per event
     lattice_params: tuple[float, float, float, float, bool]
@@ -1342,7 +306,7 @@ class _Prepared:
 
 
 def _run(
-    events: FailureEvents, strategies: list[Strategy], ctx: SimContext, keep_events: bool
+    events: FailureEvents, strategies: list[PolicyModel], ctx: SimContext, keep_events: bool
 ) -> list[StrategyResult]:
     n_ev, n_seeds, n_strat = len(events), events.num_seeds, len(strategies)
     horizon = ctx.horizon_s
@@ -1471,7 +435,7 @@ def _summarise(
             kinds.append(
                 ActionKind(
                     name=f"{approx.name}_declined",
-                    effect="rollback",
+                    effect=_ROLLBACK,
                     tier=approx.tier,
                     downtime={"exhausted": approx.total_s},
                     loss_cause="exhausted",
@@ -1546,7 +510,7 @@ class Scenario:
     job: Job
     failures: FailureModel
     horizon_s: float
-    strategies: tuple[Strategy | str, ...] | None = None
+    strategies: tuple[PolicyModel | str, ...] | None = None
     costs: CostModel | None = None
     seeds: int = 100
     seed: int = 0

@@ -1,4 +1,4 @@
-"""What recovery costs: the measured (or assumed) times and sizes the cluster simulator uses.
+"""What recovery costs: the measured (or assumed) times and sizes every simulator uses.
 
 :class:`CostModel` holds one number per cost a recovery strategy pays -- detection,
 replacement, state transfer, checkpoint writes and loads, the step time, the convergence
@@ -18,10 +18,18 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from parallelism.checks import check_number
+from simulations.policies import SimulatedPolicy
+
+if TYPE_CHECKING:
+    from simulations.convergence_config import ConvergencePolicy
 
 __all__ = [
     "CostModel",
+    "EmbeddingTimeModel",
+    "TimeModel",
     "daly_interval",
     "daly_waste",
     "young_interval",
@@ -251,3 +259,100 @@ def daly_waste(*, interval_s: float, checkpoint_s: float, restart_s: float, mtbf
     m = mtbf_s
     segment = m * math.exp(restart_s / m) * math.expm1((interval_s + checkpoint_s) / m)
     return 1.0 - interval_s / segment
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimeModel:
+    """Modelled wall-clock costs, in seconds (see [Note: convergence simulator model]).
+
+    The defaults describe the paper's setting -- pipeline stages on cheap, unreliable,
+    geo-distributed nodes -- rather than a datacenter: a step of a 124M-1.5B model whose
+    activations cross the internet takes minutes, and a checkpoint of the model moves at
+    internet bandwidth. They are stated assumptions; every one can be changed in the TOML.
+
+    Raises:
+        ValueError: if a cost is negative or not finite, ``step_s`` is not positive, or
+            ``redundant_factor < 1``.
+    """
+
+    step_s: float = 120.0
+    """One training step. 120 s gives the paper's O(10) failures per run at 5-16 % per
+    stage-hour over a few hundred to a thousand steps with 4 stages."""
+    recovery_s: float = 30.0
+    """CheckFree(+) recovery: detect the loss, a replacement node joins, fetches its two
+    neighbours' weights (or its partner's) and averages them."""
+    checkpoint_save_s: float = 10.0
+    """Saving one checkpoint to remote storage (stages upload their parts in parallel)."""
+    checkpoint_reload_s: float = 120.0
+    """Rollback: a replacement node joins and every stage downloads the checkpoint."""
+    failover_s: float = 10.0
+    """Redundant computation: the neighbour holding the copy takes over."""
+    redundant_factor: float = 4.0 / 3.0
+    """Step-time multiplier of redundant computation (Bamboo): each stage also runs its
+    successor's forward pass; with backward = 2 x forward that is +1/3 of the compute,
+    assumed not hidden in pipeline bubbles."""
+
+    def __post_init__(self) -> None:
+        check_number("TimeModel step_s", self.step_s, positive=True)
+        for name in ("recovery_s", "checkpoint_save_s", "checkpoint_reload_s", "failover_s"):
+            check_number(f"TimeModel {name}", getattr(self, name), minimum=0.0)
+        check_number("TimeModel redundant_factor", self.redundant_factor, positive=True)
+        if self.redundant_factor < 1:
+            raise ValueError(
+                f"TimeModel redundant_factor must be >= 1, got {self.redundant_factor!r}"
+            )
+
+    def step_time(self, policy: ConvergencePolicy) -> float:
+        """Seconds per attempted step under ``policy``."""
+        redundant = policy.kind == SimulatedPolicy.REDUNDANT
+        return self.step_s * (self.redundant_factor if redundant else 1.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmbeddingTimeModel:
+    """Modelled wall-clock costs. See [Note: embedding simulator model].
+
+    Raises:
+        ValueError: naming a bad field and value.
+    """
+
+    step_s: float = 1.0
+    """One training step of the job."""
+    checkpoint_write_s: float = 15.0
+    """Blocking time of one checkpoint (the ``C`` of Young/Daly)."""
+    checkpoint_load_s: float = 30.0
+    """Reloading the whole checkpoint into every worker (a shard: this over ``W``)."""
+    detect_s: float = 5.0
+    """From a death to the controller acting on it."""
+    replace_s: float = 10.0
+    """Starting a replacement worker and forming the new process groups."""
+    bandwidth_bytes_per_s: float = 1.25e9
+    """Worker-to-worker bandwidth (10 Gb/s) for mirror traffic and peer state copies."""
+    interval: str = "daly"
+    """``"daly"`` or ``"young"``: which optimal checkpoint interval to use by default."""
+
+    def __post_init__(self) -> None:
+        for name in ("step_s", "bandwidth_bytes_per_s"):
+            check_number(f"EmbeddingTimeModel.{name}", getattr(self, name), positive=True)
+        for name in ("checkpoint_write_s", "checkpoint_load_s", "detect_s", "replace_s"):
+            check_number(f"EmbeddingTimeModel.{name}", getattr(self, name), minimum=0.0)
+        if self.interval not in ("daly", "young"):
+            raise ValueError(
+                f"EmbeddingTimeModel.interval must be 'daly' or 'young', got {self.interval!r}"
+            )
+
+    def checkpoint_every(self, steps: int, failures: int) -> int:
+        """The optimal checkpoint interval in steps for ``failures`` failures in ``steps``.
+
+        The MTBF is the failure-free run time over the failures; without failures, one
+        checkpoint at the end (``steps``).
+        """
+        if failures <= 0:
+            return steps
+        mtbf = steps * self.step_s / failures
+        fn = daly_interval if self.interval == "daly" else young_interval
+        seconds = fn(self.checkpoint_write_s, mtbf)
+        return max(1, min(steps, round(seconds / self.step_s)))
+
+    def transfer_s(self, nbytes: float) -> float:
+        return nbytes / self.bandwidth_bytes_per_s

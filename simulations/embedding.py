@@ -28,7 +28,7 @@ held-out AUC and log loss against modelled time, and where the lost time went.
   checkpoint's shard part, freshest copy per row. Cost: ``detect_s + replace_s`` plus the
   transfer of the dense state and the shard over the bandwidth, plus
   ``checkpoint_load_s / W`` when rows come from the durable checkpoint. The dead worker's
-  own mirror of its predecessor is re-seeded with a full copy. The policy (`decide`)
+  own mirror of its predecessor is re-seeded with a full copy. The planner (`recovery.planner.plan`, which applies `decide`)
   then accepts the restore or rolls the whole job back to the checkpoint.
 - Exact strategies (``none``, ``rollback``, partial with ``mirror_every=1``) must end
   bit-identical to the no-failure run; `EmbeddingRunResult.digest` lets the experiment
@@ -48,20 +48,29 @@ from typing import Any
 import numpy as np
 import torch
 
+from parallelism.checks import check_int, check_number
+from parallelism.topology import Topology
 from parallelism.workloads.clicks import ClickLogs
 from parallelism.workloads.dlrm import DLRMConfig, InProcessDLRM, ShardLayout
 from recovery.faults import FailureSchedule, Kill
+from recovery.names import Strategy
+from recovery.planner import RecoveryPlan, Redundancy, plan
+from recovery.policy import RecoveryPolicy
 from recovery.strategies.embedding import (
     EMBEDDING_POLICIES,
     MFUTracker,
     MirrorPlan,
     ShardCopy,
-    decide,
     mirror_update,
     portion_of_lost_samples,
     restore_shard,
 )
-from simulations.costs import daly_interval, young_interval
+from simulations.costs import EmbeddingTimeModel
+from simulations.policies import SimulatedPolicy
+
+_FULL_ROLLBACK = RecoveryPolicy(allowed=(Strategy.ROLLBACK,), snapshot_every=None)
+"""The ``rollback`` recovery: nothing but a rollback of every worker is allowed."""
+_PARTIAL_STRATEGIES = {Strategy.SHARD_MIRROR, Strategy.EMBEDDING_PARTIAL}
 
 __all__ = [
     "RECOVERIES",
@@ -77,19 +86,16 @@ __all__ = [
     "run_embedding",
 ]
 
-RECOVERIES = ("none", "rollback", "partial")
+RECOVERIES = (SimulatedPolicy.NONE, Strategy.ROLLBACK, SimulatedPolicy.PARTIAL)
+"""How a run recovers: see [Note: embedding simulator model]."""
 
 
 def _check(owner: str, name: str, value: object, *, positive: bool = True) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{owner}.{name} must be a finite number, got {value!r}")
-    if value < 0 or (positive and value == 0):
-        raise ValueError(f"{owner}.{name} must be {'> 0' if positive else '>= 0'}, got {value!r}")
+    check_number(f"{owner}.{name}", value, positive=positive, minimum=None if positive else 0.0)
 
 
 def _check_int(owner: str, name: str, value: object, *, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{owner}.{name} must be an integer >= {minimum}, got {value!r}")
+    check_int(f"{owner}.{name}", value, minimum=minimum)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,56 +151,6 @@ class EmbeddingSetup:
 
 
 @dataclass(frozen=True, kw_only=True)
-class EmbeddingTimeModel:
-    """Modelled wall-clock costs. See [Note: embedding simulator model].
-
-    Raises:
-        ValueError: naming a bad field and value.
-    """
-
-    step_s: float = 1.0
-    """One training step of the job."""
-    checkpoint_write_s: float = 15.0
-    """Blocking time of one checkpoint (the ``C`` of Young/Daly)."""
-    checkpoint_load_s: float = 30.0
-    """Reloading the whole checkpoint into every worker (a shard: this over ``W``)."""
-    detect_s: float = 5.0
-    """From a death to the controller acting on it."""
-    replace_s: float = 10.0
-    """Starting a replacement worker and forming the new process groups."""
-    bandwidth_bytes_per_s: float = 1.25e9
-    """Worker-to-worker bandwidth (10 Gb/s) for mirror traffic and peer state copies."""
-    interval: str = "daly"
-    """``"daly"`` or ``"young"``: which optimal checkpoint interval to use by default."""
-
-    def __post_init__(self) -> None:
-        for name in ("step_s", "bandwidth_bytes_per_s"):
-            _check("EmbeddingTimeModel", name, getattr(self, name))
-        for name in ("checkpoint_write_s", "checkpoint_load_s", "detect_s", "replace_s"):
-            _check("EmbeddingTimeModel", name, getattr(self, name), positive=False)
-        if self.interval not in ("daly", "young"):
-            raise ValueError(
-                f"EmbeddingTimeModel.interval must be 'daly' or 'young', got {self.interval!r}"
-            )
-
-    def checkpoint_every(self, steps: int, failures: int) -> int:
-        """The optimal checkpoint interval in steps for ``failures`` failures in ``steps``.
-
-        The MTBF is the failure-free run time over the failures; without failures, one
-        checkpoint at the end (``steps``).
-        """
-        if failures <= 0:
-            return steps
-        mtbf = steps * self.step_s / failures
-        fn = daly_interval if self.interval == "daly" else young_interval
-        seconds = fn(self.checkpoint_write_s, mtbf)
-        return max(1, min(steps, round(seconds / self.step_s)))
-
-    def transfer_s(self, nbytes: float) -> float:
-        return nbytes / self.bandwidth_bytes_per_s
-
-
-@dataclass(frozen=True, kw_only=True)
 class EmbeddingStrategy:
     """How a run recovers from a dead worker.
 
@@ -205,7 +161,7 @@ class EmbeddingStrategy:
     name: str
     """A label for tables and plots."""
     recovery: str
-    """``"none"`` (no failures), ``"rollback"`` or ``"partial"``."""
+    """One of `RECOVERIES`: no failures, `Strategy.ROLLBACK`, or CPR (`SimulatedPolicy.PARTIAL`)."""
     embedding: str = "partial"
     """``partial`` only: the policy, ``"partial"`` (accept stale rows within the PLS
     budget) or ``"exact"`` (roll back unless every lost row came back exact)."""
@@ -232,7 +188,7 @@ class EmbeddingStrategy:
             )
         if self.checkpoint_every is not None:
             _check_int("EmbeddingStrategy", "checkpoint_every", self.checkpoint_every)
-        if self.mirror is not None and self.recovery != "partial":
+        if self.mirror is not None and self.recovery != SimulatedPolicy.PARTIAL:
             raise ValueError(f"strategy {self.name!r}: mirrors are used by 'partial' recovery only")
 
 
@@ -252,24 +208,24 @@ def default_strategies(
     """
     every = partial_checkpoint_every
     return [
-        EmbeddingStrategy(name="no failures", recovery="none"),
-        EmbeddingStrategy(name="full rollback", recovery="rollback"),
+        EmbeddingStrategy(name="no failures", recovery=SimulatedPolicy.NONE),
+        EmbeddingStrategy(name="full rollback", recovery=Strategy.ROLLBACK),
         EmbeddingStrategy(
             name="CPR (snapshots)",
-            recovery="partial",
+            recovery=SimulatedPolicy.PARTIAL,
             pls_budget=pls_budget,
             checkpoint_every=every,
         ),
         EmbeddingStrategy(
             name="CPR + MFU mirrors",
-            recovery="partial",
+            recovery=SimulatedPolicy.PARTIAL,
             pls_budget=pls_budget,
             mirror=MirrorPlan(hot_rows=hot_rows, mirror_every=mirror_every),
             checkpoint_every=every,
         ),
         EmbeddingStrategy(
             name="exact mirrors",
-            recovery="partial",
+            recovery=SimulatedPolicy.PARTIAL,
             embedding="exact",
             mirror=MirrorPlan(hot_rows=0, mirror_every=1),
             checkpoint_every=every,
@@ -315,7 +271,7 @@ class EmbeddingEvent:
     lost: tuple[int, ...]
     """Dead worker ranks."""
     decision: str
-    """``"partial"`` (survivors kept their state) or ``"rollback"``."""
+    """`SimulatedPolicy.PARTIAL` (survivors kept their state) or `Strategy.ROLLBACK`."""
     rows_exact: int = 0
     rows_stale: int = 0
     rows_from_mirror: int = 0
@@ -361,7 +317,7 @@ class EmbeddingRunResult:
 
     @property
     def rollbacks(self) -> int:
-        return sum(e.decision == "rollback" for e in self.events)
+        return sum(e.decision == Strategy.ROLLBACK for e in self.events)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -489,7 +445,7 @@ class _Run:
             self.mirror_bytes += step_bytes / self.world
             self.mirror_steps += 1
         if (
-            self.strategy.recovery != "none"
+            self.strategy.recovery != SimulatedPolicy.NONE
             and self.committed % self.checkpoint_every == 0
             and self.committed < self.setup.steps
         ):
@@ -503,10 +459,23 @@ class _Run:
     def fail(self, dead: Sequence[int]) -> None:
         self.clock += self.times.step_s  # the abandoned attempt
         self.lost["failed_step"] += self.times.step_s
-        if self.strategy.recovery == "rollback":
+        if self.strategy.recovery == Strategy.ROLLBACK:
+            decision = self.plan(dead, _FULL_ROLLBACK, Redundancy(alive={}))
+            assert decision.tier is not None
             self.rollback(dead)
         else:
             self.partial(dead)
+
+    def plan(self, dead: Sequence[int], policy: RecoveryPolicy, found: Redundancy) -> RecoveryPlan:
+        """The planner's decision (one stage, a replica per worker; ``found`` says what the
+        mirrors hold), with every live worker current and the checkpoint durable."""
+        gone = set(dead)
+        redundancy = dataclasses.replace(
+            found,
+            alive={r: self.committed for r in range(self.world) if r not in gone},
+            durable_steps=(self.checkpoint.committed,),
+        )
+        return plan(Topology(stages=1, replicas=self.world), gone, redundancy, policy)
 
     def rollback(self, dead: Sequence[int], event: EmbeddingEvent | None = None) -> None:
         ckpt = self.checkpoint
@@ -529,7 +498,9 @@ class _Run:
         self.lost["recovery"] += downtime
         base = event or EmbeddingEvent(step=self.committed + redo, lost=tuple(dead), decision="")
         self.events.append(
-            dataclasses.replace(base, decision="rollback", downtime_s=downtime, redo_steps=redo)
+            dataclasses.replace(
+                base, decision=Strategy.ROLLBACK, downtime_s=downtime, redo_steps=redo
+            )
         )
 
     def partial(self, dead: Sequence[int]) -> None:
@@ -562,7 +533,7 @@ class _Run:
         event = EmbeddingEvent(
             step=self.committed,
             lost=tuple(sorted(dead_set)),
-            decision="partial",
+            decision=SimulatedPolicy.PARTIAL,
             rows_exact=exact,
             rows_stale=stale,
             rows_from_mirror=from_mirror,
@@ -570,14 +541,30 @@ class _Run:
             pls_event=pls_event,
             pls_job=pls_job,
         )
-        if decide(self.strategy.embedding, pls=pls_job, budget=self.strategy.pls_budget) == (
-            "rollback"
-        ):
+        alive = [r for r in range(self.world) if r not in dead_set]
+        # Each lost shard comes from its mirror's holder (the ring successor) where that
+        # lives, else from a live worker's dense replica and the checkpoint's shard part;
+        # stale rows make it partial, which the policy may refuse (then: roll back).
+        successor = {r: (r + 1) % self.world for r in dead_set}
+        found = Redundancy(
+            alive={},
+            mirror_holder={
+                r: successor[r] if successor[r] not in dead_set or not alive else alive[0]
+                for r in dead_set
+            },
+            mirror_stale={r: restored[r][0].rows_stale > 0 for r in dead_set},
+            pls=pls_job,
+        )
+        policy = RecoveryPolicy(
+            embedding=self.strategy.embedding,
+            pls_budget=self.strategy.pls_budget,
+            snapshot_every=None,
+        )
+        decision = self.plan(dead, policy, found)
+        if decision.tier is not None:
             self.rollback(dead, event)
             return
-        alive = [r for r in range(self.world) if r not in dead_set]
-        if not alive:
-            raise RuntimeError("every worker died; partial recovery needs a live dense replica")
+        assert {a.strategy for a in decision.actions} <= _PARTIAL_STRATEGIES, decision
         dense = self.trainer.workers[alive[0]].dense_state()
         moved = 0.0
         for rank, (r, copies) in restored.items():
@@ -640,7 +627,7 @@ def run_embedding(
         if fault.step >= setup.steps:
             raise ValueError(f"{fault}: step {fault.step} is outside a run of {setup.steps} steps")
         kills.setdefault(fault.step, []).append(fault.replica)
-    if strategy.recovery == "none":
+    if strategy.recovery == SimulatedPolicy.NONE:
         kills = {}
     checkpoint_every = strategy.checkpoint_every or times.checkpoint_every(
         setup.steps, sum(len(v) for v in kills.values())
@@ -699,7 +686,9 @@ def run_embedding(
         return EmbeddingRunResult(
             strategy=strategy.name,
             recovery=strategy.recovery,
-            checkpoint_every=checkpoint_every if strategy.recovery != "none" else None,
+            checkpoint_every=checkpoint_every
+            if strategy.recovery != SimulatedPolicy.NONE
+            else None,
             auc=auc,
             log_loss=loss,
             curve=curve,
@@ -727,10 +716,14 @@ def results_table(results: Sequence[EmbeddingRunResult], *, reference: str | Non
     (default: the first run with recovery ``none``).
     """
     ref = next(
-        (r for r in results if (r.strategy == reference if reference else r.recovery == "none")),
+        (
+            r
+            for r in results
+            if (r.strategy == reference if reference else r.recovery == SimulatedPolicy.NONE)
+        ),
         None,
     )
-    rollback = next((r for r in results if r.recovery == "rollback"), None)
+    rollback = next((r for r in results if r.recovery == Strategy.ROLLBACK), None)
     header = (
         "| strategy | ckpt every | AUC | dAUC | log loss | time (s) | lost (s) | "
         "lost vs rollback | rollbacks | rows exact / stale (accepted) | PLS | mirror KB/step | "
@@ -738,7 +731,7 @@ def results_table(results: Sequence[EmbeddingRunResult], *, reference: str | Non
     )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for r in results:
-        accepted = [e for e in r.events if e.decision == "partial"]
+        accepted = [e for e in r.events if e.decision == SimulatedPolicy.PARTIAL]
         exact = sum(e.rows_exact for e in accepted)
         stale = sum(e.rows_stale for e in accepted)
         d_auc = f"{r.auc - ref.auc:+.4f}" if ref else "-"

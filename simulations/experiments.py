@@ -187,7 +187,7 @@ def simulated_goodput(
         Job,
         Layout,
         SnapshotPolicy,
-        make_strategy,
+        make_policy_model,
         simulate,
     )
     from simulations.costs import CostModel
@@ -208,11 +208,11 @@ def simulated_goodput(
             continue
         step_s = _mean([r["step_s"] for r in rs])
         name = model.pop("strategy")
-        if name == "checkpoint_restart":
+        if name == CheckpointRestart.name:
             chosen = CheckpointRestart(interval_s=float(model.pop("checkpoint_every")) * step_s)
         else:
             every = model.pop("snapshot_every", None)
-            chosen = make_strategy(
+            chosen = make_policy_model(
                 name, snapshots=SnapshotPolicy(every_steps=every, durable_every_s=None), **model
             )
         costs = CostModel.from_dict({**base.__dict__, "step_s": step_s})
@@ -349,7 +349,7 @@ def run_simulator_kind(
     Raises:
         ValueError: for a malformed matrix (sizes and layouts must pair up).
     """
-    from simulations.cluster import STRATEGIES, Job, Layout, simulate
+    from simulations.cluster import POLICY_MODELS, Job, Layout, simulate
     from simulations.costs import CostModel
     from simulations.traces import llama3_failures
 
@@ -359,7 +359,7 @@ def run_simulator_kind(
     days = float(data.get("days", 54))
     seeds = int(data.get("seeds", 100))
     names = data.get("strategies", "all")
-    strategies = list(STRATEGIES) if names == "all" else list(names)
+    strategies = list(POLICY_MODELS) if names == "all" else list(names)
     costs = CostModel.from_json(data["calibration"]) if data.get("calibration") else CostModel()
     rows: list[dict[str, Any]] = []
     out.mkdir(parents=True, exist_ok=True)

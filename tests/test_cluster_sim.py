@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from simulations.cluster import (
     CAUSES,
-    STRATEGIES,
+    POLICY_MODELS,
     CheckFree,
     CheckFreePlus,
     CheckpointRestart,
@@ -33,16 +33,16 @@ from simulations.cluster import (
     Job,
     Layout,
     PeerSnapshot,
+    PolicyModel,
     ReplicaCopy,
     Scenario,
     SimContext,
     SimulationResult,
     SnapshotPolicy,
-    Strategy,
     classify_events,
     exhaustion_probability,
     expected_exhaustions,
-    make_strategy,
+    make_policy_model,
     mean_ci,
     simulate,
     sweep,
@@ -254,7 +254,7 @@ def test_checkpoint_restart_matches_young_where_first_order_holds(
     )
 
 
-@pytest.mark.parametrize("name", list(STRATEGIES))
+@pytest.mark.parametrize("name", list(POLICY_MODELS))
 def test_zero_costs_give_goodput_one(name: str) -> None:
     job = Job(gpus=64, layout=Layout(pp=4, dp=2, tp=8))
     model = MixedFailures(
@@ -396,10 +396,10 @@ def test_peer_snapshot_falls_back_when_a_node_and_its_partner_die() -> None:
 # ----------------------------------------------------------------- strategy conformance
 
 
-@pytest.mark.parametrize("name", list(STRATEGIES))
+@pytest.mark.parametrize("name", list(POLICY_MODELS))
 def test_strategy_conformance(name: str) -> None:
-    strategy = make_strategy(name)
-    assert isinstance(strategy, Strategy) and strategy.name == name
+    strategy = make_policy_model(name)
+    assert isinstance(strategy, PolicyModel) and strategy.name == name
     job = Job(gpus=48, layout=Layout(pp=3, dp=2, tp=8), gpus_per_node=8, nodes_per_rack=2)
     ctx = SimContext(job=job, costs=CostModel(), horizon_s=30 * DAY, job_mtbf_s=5 * HOUR)
     kinds = strategy.kinds(ctx)
@@ -432,7 +432,7 @@ def test_strategy_conformance(name: str) -> None:
 
 def test_unknown_strategy_options_raise() -> None:
     with pytest.raises(ValueError, match="bad options"):
-        make_strategy("replica_copy", spares=3)
+        make_policy_model("replica_copy", spares=3)
 
 
 # ----------------------------------------------------------------- properties
@@ -441,7 +441,7 @@ _layouts = st.tuples(st.integers(1, 5), st.integers(1, 3), st.sampled_from([1, 2
 
 
 @st.composite
-def _scenarios(draw: st.DrawFn) -> tuple[Job, FailureEvents, CostModel, list[Strategy]]:
+def _scenarios(draw: st.DrawFn) -> tuple[Job, FailureEvents, CostModel, list[PolicyModel]]:
     pp, dp, tp = draw(_layouts)
     job = Job(
         gpus=pp * dp * tp,
@@ -469,7 +469,7 @@ def _scenarios(draw: st.DrawFn) -> tuple[Job, FailureEvents, CostModel, list[Str
     durable = draw(st.one_of(st.none(), st.floats(600.0, 30_000.0)))
     policy = SnapshotPolicy(every_steps=every, durable_every_s=durable)
     warm = draw(st.booleans())
-    strategies: list[Strategy] = [
+    strategies: list[PolicyModel] = [
         CheckpointRestart(formula=draw(st.sampled_from(["daly", "young"]))),
         PeerSnapshot(snapshots=policy, warm_spares=warm),
         ReplicaCopy(snapshots=policy, warm_spares=warm),

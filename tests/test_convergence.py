@@ -16,13 +16,13 @@ import torch
 from recovery.strategies import CheckFreeConfig
 from simulations.convergence import (
     ConvergenceExperiment,
+    ConvergencePolicy,
     ConvergenceSetup,
     EvalRecord,
     FailureProcess,
     PipelineTrainer,
     RunResult,
     ScheduledFailures,
-    Strategy,
     TimeModel,
     auto_target,
     run_convergence,
@@ -55,7 +55,12 @@ TIMES = TimeModel(
 def baseline() -> RunResult:
     """A 6-step no-failure run, evaluated every 2 steps."""
     return run_convergence(
-        SETUP, Strategy(kind="none"), FailureProcess(hourly_rate=0.0), TIMES, steps=6, eval_every=2
+        SETUP,
+        ConvergencePolicy(kind="none"),
+        FailureProcess(hourly_rate=0.0),
+        TIMES,
+        steps=6,
+        eval_every=2,
     )
 
 
@@ -79,23 +84,28 @@ def test_failure_probability_and_common_random_numbers() -> None:
 
 
 def test_strategy_parsing_and_validation() -> None:
-    assert Strategy.parse("checkpoint:50").name == "checkpoint-50"
-    cf = Strategy.parse("checkfree+", averaging="uniform", label="cf+ uniform")
+    assert ConvergencePolicy.parse("checkpoint:50").name == "checkpoint-50"
+    cf = ConvergencePolicy.parse("checkfree+", averaging="uniform", label="cf+ uniform")
     assert cf.plus and cf.name == "cf+ uniform" and cf.checkfree.averaging.value == "uniform"  # type: ignore[union-attr]
-    assert Strategy.parse("checkfree:100").checkpoint_every == 100
-    assert Strategy.parse("redundant").exact and not Strategy.parse("checkfree").exact
+    assert ConvergencePolicy.parse("checkfree:100").checkpoint_every == 100
+    assert (
+        ConvergencePolicy.parse("redundant").exact
+        and not ConvergencePolicy.parse("checkfree").exact
+    )
     with pytest.raises(ValueError, match="unknown strategy kind 'bamboo'"):
-        Strategy.parse("bamboo")
+        ConvergencePolicy.parse("bamboo")
     with pytest.raises(ValueError, match="needs checkpoint_every"):
-        Strategy.parse("checkpoint")
+        ConvergencePolicy.parse("checkpoint")
     with pytest.raises(ValueError, match="bad checkpoint interval"):
-        Strategy.parse("checkpoint:often")
+        ConvergencePolicy.parse("checkpoint:often")
     with pytest.raises(ValueError, match="unknown CheckFree knob"):
-        Strategy.parse("checkfree", lr=2.0)
+        ConvergencePolicy.parse("checkfree", lr=2.0)
     with pytest.raises(ValueError, match="CheckFree knobs given to strategy 'checkpoint'"):
-        Strategy(kind="checkpoint", checkpoint_every=5, checkfree=CheckFreeConfig(lr_scale=2.0))
+        ConvergencePolicy(
+            kind="checkpoint", checkpoint_every=5, checkfree=CheckFreeConfig(lr_scale=2.0)
+        )
     with pytest.raises(ValueError, match="swap_every is a CheckFree\\+ knob"):
-        Strategy.parse("checkfree", swap_every=4)
+        ConvergencePolicy.parse("checkfree", swap_every=4)
     quarter = PipelineTrainer(dataclasses.replace(SETUP, microbatches=4), plus=True, swap_every=4)
     assert quarter.routes == ((0, 1, 2, 3),) * 3 + ((1, 0, 3, 2),)
     with pytest.raises(ValueError, match="microbatches must be even"):
@@ -124,10 +134,10 @@ def test_exact_strategies_replay_a_run_that_never_failed(baseline: RunResult) ->
     """Rollback + redo gives bit-identical losses; the replay on the baseline is the same."""
     kills = ScheduledFailures(kills={3: (2,), 5: (0, 3)}, hourly_rate=0.5)
     literal = run_convergence(
-        SETUP, Strategy.parse("checkpoint:2"), kills, TIMES, steps=6, eval_every=2
+        SETUP, ConvergencePolicy.parse("checkpoint:2"), kills, TIMES, steps=6, eval_every=2
     )
     derived = run_convergence(
-        SETUP, Strategy.parse("checkpoint:2"), kills, TIMES, steps=6, eval_every=2,
+        SETUP, ConvergencePolicy.parse("checkpoint:2"), kills, TIMES, steps=6, eval_every=2,
         baseline=baseline,
     )  # fmt: skip
     assert literal.records == derived.records and literal.events == derived.events
@@ -152,7 +162,7 @@ def test_trainer_snapshot_restore_is_bit_exact() -> None:
 def test_timeline_accounting(baseline: RunResult) -> None:
     kills = ScheduledFailures(kills={3: (1,)})
     ckpt = run_convergence(
-        SETUP, Strategy.parse("checkpoint:2"), kills, TIMES, steps=6, eval_every=2,
+        SETUP, ConvergencePolicy.parse("checkpoint:2"), kills, TIMES, steps=6, eval_every=2,
         baseline=baseline,
     )  # fmt: skip
     # 8 attempts of 100 s, 3 checkpoints of 10 s, one reload of 50 s; step 2 is redone.
@@ -163,7 +173,7 @@ def test_timeline_accounting(baseline: RunResult) -> None:
         (0, 0), (2, 210), (4, 670), (6, 880),
     ]  # fmt: skip
     redundant = run_convergence(
-        SETUP, Strategy.parse("redundant"), ScheduledFailures(kills={1: (2,)}), TIMES,
+        SETUP, ConvergencePolicy.parse("redundant"), ScheduledFailures(kills={1: (2,)}), TIMES,
         steps=6, eval_every=2, baseline=baseline,
     )  # fmt: skip
     assert redundant.total_time_s == pytest.approx(6 * 150 + 7)
@@ -174,16 +184,18 @@ def test_timeline_accounting(baseline: RunResult) -> None:
 def test_checkfree_rebuilds_and_falls_back(baseline: RunResult) -> None:
     kills = ScheduledFailures(kills={1: (1,), 3: (0,), 5: (1, 2)})
     plain = run_convergence(
-        SETUP, Strategy.parse("checkfree:2"), kills, TIMES, steps=6, eval_every=2
+        SETUP, ConvergencePolicy.parse("checkfree:2"), kills, TIMES, steps=6, eval_every=2
     )
     assert [e.action for e in plain.events] == ["neighbor_average", "rollback", "rollback"]
-    plus = run_convergence(SETUP, Strategy.parse("checkfree+"), kills, TIMES, steps=6, eval_every=2)
+    plus = run_convergence(
+        SETUP, ConvergencePolicy.parse("checkfree+"), kills, TIMES, steps=6, eval_every=2
+    )
     assert [e.action for e in plus.events] == ["neighbor_average", "edge_copy", "reinit"]
     # Three abandoned attempts, each costing a step and a recovery.
     assert plus.total_time_s == pytest.approx(9 * 100 + 3 * 5)
     assert all(e.lost_steps == 0 for e in plus.events)
     again = run_convergence(
-        SETUP, Strategy.parse("checkfree+"), kills, TIMES, steps=6, eval_every=2
+        SETUP, ConvergencePolicy.parse("checkfree+"), kills, TIMES, steps=6, eval_every=2
     )
     assert again.records == plus.records  # deterministic for a seed
 
@@ -191,7 +203,7 @@ def test_checkfree_rebuilds_and_falls_back(baseline: RunResult) -> None:
 def test_runs_that_cannot_progress_stop_and_say_so(baseline: RunResult) -> None:
     every_attempt = ScheduledFailures(kills={a: (0,) for a in range(100)})
     result = run_convergence(
-        SETUP, Strategy.parse("checkpoint:5"), every_attempt, TIMES, steps=6, eval_every=2,
+        SETUP, ConvergencePolicy.parse("checkpoint:5"), every_attempt, TIMES, steps=6, eval_every=2,
         baseline=baseline, max_attempts=20,
     )  # fmt: skip
     assert result.info["finished"] is False and result.attempts == 20
