@@ -524,7 +524,6 @@ class Controller:
         self.group.kill(prepared.lost)
         self.persistence.note({r: rep for r, rep in prepared.results.items() if r not in lost})
         self.persistence.commit_landed()
-        self.ledger.forget(lost)
         alive = {rank: rep.step for rank, rep in prepared.results.items() if rank not in lost}
         assessed = (
             {}

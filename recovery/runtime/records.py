@@ -4,9 +4,8 @@
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from parallelism.topology import Topology
@@ -86,16 +85,6 @@ class Failure:
         return "\n".join(lines)
 
 
-@dataclass
-class Timeline:
-    """Seconds each phase of a recovery took (see `recovery.events.PHASES`)."""
-
-    phases: dict[str, float] = field(default_factory=dict)
-
-    def add(self, phase: str, seconds: float) -> None:
-        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
-
-
 def recovery_event(
     topology: Topology,
     failure: Failure,
@@ -139,7 +128,3 @@ def recovery_event(
         embedding=embedding,
     )
 
-
-def now() -> float:
-    """Wall-clock seconds (events are placed on the job's wall-clock timeline)."""
-    return time.time()
