@@ -121,6 +121,10 @@ def host_store(host: str) -> dist.TCPStore:
     return store
 
 
+_WAIT_SLICE = datetime.timedelta(milliseconds=100)
+_SLICE_TIMEOUT = "Operation timed out"
+"""What c10d's ``Work.wait(timeout)`` raises when the slice runs out (the work goes on)."""
+
 # Backend process-group objects (ProcessGroupGloo / ProcessGroupNCCL): their Python stubs do
 # not share a useful base type, so they are typed loosely.
 _Group = Any
@@ -305,12 +309,41 @@ class StageComm:
             self.wait(work, src)
 
     def wait(self, work: dist.Work, peer: int = -1) -> None:
-        """Wait for ``work``, noting whom we wait for (see `waiting_on`)."""
+        """Wait for ``work``, noting whom we wait for (see `waiting_on`).
+
+        Raises:
+            RuntimeError: the work's error, or a connection error if `close` ran meanwhile.
+        """
         self.waiting_on = peer
         try:
-            work.wait()
+            if self.backend == "gloo":
+                self._wait_unless_closed(work)
+            else:
+                work.wait()  # NCCL: enqueues a stream wait, the CPU does not block
         finally:
             self.waiting_on = None
+
+    def _wait_unless_closed(self, work: dist.Work) -> None:
+        """Block on a Gloo ``work`` until it completes or this worker's groups are closed.
+
+        See [Note: tearing down on failure]: cutting the connections wakes a waiter, except
+        in one race that the tests met under load (the work is queued while another thread
+        closes the group; Gloo then leaves it pending until its own timeout, a minute). So
+        never wait unboundedly: wait in short slices (re-waiting a Gloo work after a slice
+        runs out is safe) and give up as soon as the groups are closed.
+        """
+        while True:
+            try:
+                work.wait(_WAIT_SLICE)
+                return
+            except RuntimeError as exc:
+                if _SLICE_TIMEOUT not in str(exc):
+                    raise  # the work's own error (a dead peer, Gloo's timeout)
+                if self.closed:
+                    raise RuntimeError(
+                        "Connection closed: this worker's process groups were torn down "
+                        "while it waited"
+                    ) from None
 
     def wait_sends(self) -> None:
         """Wait until every `isend` so far has completed (their buffers may then be reused)."""
@@ -355,8 +388,13 @@ class StageComm:
         """Receive into CPU ``tensor`` from ``src`` over the side group, blocking."""
         if self._side is None:
             raise RuntimeError("no side group in this generation (closed, or not requested)")
-        self._side.recv([tensor], src, 0).wait()
+        self._wait_unless_closed(self._side.recv([tensor], src, 0))
         return tensor
+
+    def side_wait(self, works: list[dist.Work]) -> None:
+        """Wait for `side_isend`'s works (a connection error once the groups are closed)."""
+        for work in works:
+            self._wait_unless_closed(work)
 
     # -- collectives -----------------------------------------------------------------------
 
@@ -399,7 +437,7 @@ class StageComm:
 
     def barrier(self) -> None:
         """Block until every worker of the generation reaches this point."""
-        self.world.allreduce([torch.zeros(1, device=self.device)]).wait()
+        self.wait(self.world.allreduce([torch.zeros(1, device=self.device)]))
 
     # -- lifecycle -------------------------------------------------------------------------
 

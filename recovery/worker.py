@@ -511,8 +511,7 @@ class StageWorker:
             theirs = comm.side_recv(torch.empty(2, dtype=torch.int64), ward)
             their_header = comm.side_recv(torch.empty(int(theirs[0]), dtype=torch.uint8), ward)
             data = comm.side_recv(torch.empty(int(theirs[1]), dtype=torch.uint8), ward)
-            for work in works:
-                work.wait()
+            comm.side_wait(works)
             self.peer.put(step, ward, PackedState.from_parts(their_header.numpy().tobytes(), data))
         except Exception:  # the generation ended under us: the snapshot is simply incomplete
             return

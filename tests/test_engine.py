@@ -115,3 +115,34 @@ def test_closing_a_worker_wakes_peers_blocked_on_it() -> None:
     assert waited < 3.0  # not the 20 s timeout
     for c in comms:
         c.close()
+
+
+def test_a_waiter_gives_up_when_its_own_groups_close_even_if_gloo_would_not_wake_it() -> None:
+    """The race CI met under load: a work queued while another thread closes the groups.
+
+    Gloo may leave such a work pending until its own timeout; cutting the sockets does not
+    reach it. Here the cut is skipped on purpose (no transport), so `close` only aborts the
+    groups, which alone leaves a queued work pending: the waiter must still give up within
+    a slice of the close, not after the group's own timeout (5 s here).
+    """
+    store = host_store("127.0.0.1")
+    top = Topology(1, 2)
+    rdzv = Rendezvous("127.0.0.1", store.port, "gen0", 5)
+    comms = in_threads([lambda r=r: StageComm(rdzv, top, r, "gloo", "127.0.0.1") for r in range(2)])
+    work = comms[0].allreduce_stage(torch.ones(8))  # replica 1 never joins
+    comms[0]._transport = None
+
+    def blocked() -> float:
+        start = time.perf_counter()
+        with pytest.raises(RuntimeError, match="Connection closed"):
+            comms[0].wait(work)
+        return time.perf_counter() - start
+
+    def closes() -> None:
+        time.sleep(0.3)
+        comms[0].close()
+
+    waited, _ = in_threads([blocked, closes], timeout_s=30)
+    assert not isinstance(waited, BaseException), waited
+    assert waited < 2.0
+    comms[1].close()
