@@ -221,7 +221,7 @@ class Trainer:
             wall_s=wall_s,
             startup_s=startup_s,
             run_dir=run_dir.path if run_dir else None,
-            timings=dict(controller.timings),
+            timings=dict(controller.persistence.timings),
             states=states,
             mirrors=mirrors,
         )

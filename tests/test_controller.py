@@ -125,7 +125,7 @@ def test_checkfree_rebuilds_a_lost_middle_stage_from_its_neighbours() -> None:
     (event,) = controller.events
     assert event.strategy == "neighbor_average"
     assert event.actions[0]["sources"] == [(0, 0), (2, 0)]
-    assert controller.phase is Phase.FINISHED and controller.grad_norms[1] is not None
+    assert controller.phase is Phase.FINISHED and controller.ledger.grad_norms.norms[1] is not None
 
 
 def test_without_redundancy_the_job_fails_with_the_reason() -> None:

@@ -15,15 +15,15 @@ exactly one transition, which is what tests drive (over a `ThreadWorkerGroup`, n
                         REFORMING: the next generation's process groups --> RESTORING
                         (any phase, no way out) --> FAILED
 
-What each part does lives elsewhere: detection (recovery/runtime/detection.py), the
-redundancy that exists (ledger.py), snapshots and checkpoints (persistence.py), the plan's
-transfers (executor.py), what differs per kind of state (layouts.py). The controller
-decides nothing the planner did not decide.
+What each part does lives elsewhere: detection (recovery/runtime/detection.py), injected
+faults (injection.py), placement, spares and generations (membership.py), the redundancy
+that exists (ledger.py), snapshots and checkpoints (persistence.py), the plan's transfers
+(executor.py), what differs per kind of state (layouts.py). The controller decides
+nothing the planner did not decide.
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import logging
 import math
@@ -32,26 +32,28 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed as dist
-
-from parallelism.comm import Rendezvous, host_store
 from parallelism.topology import Topology
 from recovery.errors import RecoveryError, RedundancyExhausted, SnapshotCorrupted
 from recovery.events import RecoveryEvent
-from recovery.faults import FailureSchedule, Fault, Kill, KillNode, WorkerFault
+from recovery.faults import FailureSchedule
 from recovery.names import Strategy
-from recovery.placement import place, replacement_node
 from recovery.planner import RecoveryPlan, plan
 from recovery.policy import RecoveryPolicy
-from recovery.ray_env import connect, driver_host
-from recovery.runtime.detection import StepOutcome, await_step, non_finite
-from recovery.runtime.executor import Restore, execute
-from recovery.runtime.group import WorkerGroup, seconds
+from recovery.runtime.detection import StepOutcome, await_step, failure_of, non_finite
+from recovery.runtime.executor import execute
+from recovery.runtime.group import WorkerGroup
+from recovery.runtime.injection import Armed, InjectedFaults, fault_time
 from recovery.runtime.layouts import StateLayout, layout_for
 from recovery.runtime.ledger import RedundancyLedger
+from recovery.runtime.membership import Membership
 from recovery.runtime.persistence import Persistence
-from recovery.runtime.records import Failure, StepRecord, recovery_event, step_record
-from recovery.snapshots import buddies
+from recovery.runtime.records import (
+    Failure,
+    PendingEvent,
+    StepRecord,
+    recovery_event,
+    step_record,
+)
 from recovery.spec import TrainSpec
 from recovery.worker import WorkerInfo
 
@@ -97,7 +99,8 @@ class _Recovery:
     lost: set[int]
     alive: dict[int, int]
     assessed: dict[int, dict[str, int]]
-    plan: RecoveryPlan
+    plan: RecoveryPlan = field(init=False)
+    """The planner's decision (made once the survivors are known; remade on a fallback)."""
     breakdown: dict[str, float] = field(default_factory=dict)
     warm: set[int] = field(default_factory=set)
     ring_before: dict[int, int] = field(default_factory=dict)
@@ -127,53 +130,48 @@ class Controller:
         self.topology = topology
         self.config = config
         self.policy = policy or RecoveryPolicy()
-        self.failures = failures or FailureSchedule()
+        self.faults = InjectedFaults(failures or FailureSchedule(), topology)
         self.group = group
         self.on_step = on_step or (lambda record: None)
         self.on_event = on_event or (lambda event: None)
         self.phase = Phase.STARTING
-        self.generation = -1
         self.step = 0
         self.target_steps = 0
-        self.assignment: dict[int, str] = {}
-        """Rank -> the node its worker runs on (as started)."""
-        self._hosts: dict[int, str] = {}
-        self.job_nodes: list[str] = []
-        self.lost_nodes: set[str] = set()
         self.records: list[StepRecord] = []
         self.events: list[RecoveryEvent] = []
         self.error: BaseException | None = None
         self.started_at = time.perf_counter()
         self.started_wall = time.time()
-        self.started_ray = False
         self.resumed_from: int | None = None
         self.ledger = RedundancyLedger(topology)
-        self._store: Any = None
-        self._host = "127.0.0.1"
-        self._fired: set[Fault] = set()
         self._failure: Failure | None = None
         self._recovery: _Recovery | None = None
-        self._pending_event: tuple[RecoveryEvent, float] | None = None
+        self._pending_event: PendingEvent | None = None
         self.tokens_per_step = 0
         self.layout: StateLayout
+        self.members: Membership
         self.persistence: Persistence
 
     # -- views ---------------------------------------------------------------------------
-
-    @property
-    def grad_norms(self) -> list[float | None]:
-        """Each stage's clipped gradient norm at the last committed step (CheckFree weights)."""
-        return list(self.ledger.grad_norms.norms)
-
-    @property
-    def timings(self) -> dict[str, list[float]]:
-        """Seconds the job was blocked, per kind of work (checkpoint and snapshot writes)."""
-        return self.persistence.timings
 
     def infos(self) -> dict[int, WorkerInfo]:
         """Where each live worker runs."""
         assert self.group is not None
         return {rank: self.group.info(rank) for rank in self.group.ranks()}
+
+    @property
+    def generation(self) -> int:
+        """The process groups' generation (0 from `start`; one more per re-formation)."""
+        return self.members.generation if hasattr(self, "members") else -1
+
+    @property
+    def assignment(self) -> dict[int, str]:
+        """Rank -> the node its worker runs on."""
+        return self.members.assignment
+
+    def form_generation(self) -> float:
+        """Re-form every worker's process groups (see `Membership.form_generation`)."""
+        return self.members.form_generation()
 
     # -- startup -------------------------------------------------------------------------
 
@@ -192,19 +190,23 @@ class Controller:
         if self.group is None:
             from recovery.runtime.ray_group import RayWorkerGroup
 
-            self.started_ray = connect()
-            self._host = "127.0.0.1" if self.started_ray else driver_host()
-            self.group = RayWorkerGroup(
+            self.group = RayWorkerGroup.connect(
                 self.layout.worker_cls,
                 threads=self.config.threads_per_worker,
                 backend=self.config.backend,
                 options=self.config.worker_options,
             )
-        self._store = host_store(self._host)
-        self.job_nodes = self.group.nodes()
-        for fault in self.failures:
-            if isinstance(fault, KillNode) and fault.node >= len(self.job_nodes):
-                raise ValueError(f"{fault}: the job runs on {len(self.job_nodes)} node(s)")
+        self.members = Membership(
+            self.group,
+            self.spec,
+            self.topology,
+            self.policy,
+            self.layout,
+            self.ledger,
+            host=self.group.store_host(),
+            backend=self.config.backend,
+        )
+        self.faults.check_nodes(len(self.members.job_nodes))
         self.persistence = Persistence(
             self.group,
             self.spec,
@@ -214,17 +216,8 @@ class Controller:
             snapshot_dir=self.config.snapshot_dir,
             work_dir=self.config.work_dir,
         )
-        self.assignment = place(self.topology, self.job_nodes)
-        self._add_spares(self.policy.hot_spares)
-        self._start_workers(self.assignment, parked=True, what="start workers")
-        # Spares are ready before the first step: a spare still importing torch is no spare.
-        ready = self.group.await_spares(self.policy.timeouts.start)
-        if ready < self.policy.hot_spares:
-            log.warning(
-                "%d hot spare(s) failed to start; continuing without them",
-                self.policy.hot_spares - ready,
-            )
-        self.form_generation()
+        self.members.start_job()
+        self.members.form_generation()
         if self.policy.snapshots.durable_every is not None:
             self.resumed_from = self.persistence.open_durable(resume=self.config.resume)
             if self.resumed_from is not None:
@@ -235,74 +228,6 @@ class Controller:
         self.started_at = time.perf_counter()
         self.started_wall = time.time()
         self.phase = Phase.RUNNING
-
-    def _start_workers(
-        self, placement: dict[int, str], *, what: str, spares: bool = False, parked: bool = False
-    ) -> set[int]:
-        """Start workers for ``placement`` and set them up. Returns the ranks that got a
-        warm worker (a hot spare, or one parked by an earlier job)."""
-        assert self.group is not None
-        started, warm = self.group.start(
-            placement, timeout=self.policy.timeouts.start, spares=spares, parked=parked
-        )
-        if started.lost:
-            raise RecoveryError(started.describe(what))
-        for rank, info in started.results.items():
-            self.assignment[rank] = info.node_id or placement[rank]
-            self._hosts[rank] = info.host
-        backend = self.config.backend
-        built = self.group.call(
-            "setup",
-            placement,
-            lambda rank: self.layout.setup_args(rank, backend),
-            timeout=self.policy.timeouts.start,
-        )
-        if built.lost:
-            raise RecoveryError(built.describe("build stages"))
-        return warm
-
-    def _add_spares(self, count: int) -> None:
-        assert self.group is not None
-        nodes = [n for n in self.job_nodes if n not in self.lost_nodes] or self.job_nodes
-        first = self.group.spare_count()
-        picks = [nodes[(first + i) % len(nodes)] for i in range(max(0, count))]
-        warm = ("warm", (self.spec, self.topology, self.config.backend))
-        self.group.add_spares(picks, lambda: warm)
-
-    def form_generation(self) -> float:
-        """Tear down the current process groups everywhere and form the next generation.
-
-        Returns the seconds it took. Every generation meets on a fresh key prefix of the
-        controller's store, so nothing from an older generation is ever read again.
-        """
-        assert self.group is not None
-        start = time.perf_counter()
-        self.generation += 1
-        timeout = self.policy.timeouts.join
-        rendezvous = Rendezvous(
-            self._host, self._store.port, f"gen{self.generation}", seconds(timeout)
-        )
-        peer = bool(self.policy.snapshots.peer_every) and self.topology.world_size > 1
-        mirrors = self.layout.mirrors_on_ring and self.topology.world_size > 1
-        ring = buddies(self.topology, self.assignment) if peer or mirrors else {}
-        self.ledger.ring = ring
-        wards = {buddy: ward for ward, buddy in ring.items()}
-        joined = self.group.call(
-            "join",
-            range(self.topology.world_size),
-            lambda rank: (
-                self.generation,
-                rendezvous,
-                self._hosts.get(rank, "127.0.0.1"),
-                peer,
-                ring.get(rank),
-                wards.get(rank),
-            ),
-            timeout=seconds(timeout) + 10,
-        )
-        if joined.lost:
-            raise RecoveryError(joined.describe(f"form generation {self.generation}"))
-        return time.perf_counter() - start
 
     # -- the phase machine ---------------------------------------------------------------
 
@@ -348,42 +273,20 @@ class Controller:
 
     # -- one step ------------------------------------------------------------------------
 
-    def _faults_for(self, step: int) -> dict[int, tuple[Fault, ...]]:
-        """The injected faults that strike at ``step``, per rank (each fires once)."""
-        out: dict[int, list[Fault]] = {}
-        for fault in self.failures:
-            if fault.step != step or fault in self._fired:
-                continue
-            if isinstance(fault, KillNode):
-                node = self.job_nodes[fault.node]
-                self.lost_nodes.add(node)
-                for rank, on in self.assignment.items():
-                    if on == node:
-                        w = self.topology.worker(rank)
-                        out.setdefault(rank, []).append(
-                            Kill(step=step, stage=w.stage, replica=w.replica)
-                        )
-                self._fired.add(fault)
-            elif isinstance(fault, WorkerFault):
-                out.setdefault(self.topology.rank(fault.stage, fault.replica), []).append(fault)
-        return {rank: tuple(faults) for rank, faults in out.items()}
-
     def _train_step(self) -> None:
         assert self.group is not None
         step = self.step
         start = time.perf_counter()
         struck_at = time.time()
-        faults = self._faults_for(step)
-        everyone = range(self.topology.world_size)  # a rank without a worker is lost
-        calls = {r: self.group.submit(r, "run_step", step, faults.get(r, ())) for r in everyone}
-        outcome = await_step(self.group, calls, self.policy.timeouts.hang)
+        faults = self.faults.arm(step, self.members)
+        outcome = self._everyone("run_step", lambda r: (step, faults.get(r, ())))
         if not outcome.ok:
             self._fail(step, outcome, struck_at, faults)
             return
         self.persistence.note(outcome.reports)
         bad = non_finite(outcome.reports)
         if bad:  # silent corruption shows up as NaN/inf: never commit it
-            self._mark_fired(faults)
+            self.faults.spend(faults)
             numerical = StepOutcome(reports={r: outcome.reports[r] for r in bad})
             self._fail(step, numerical, struck_at, faults, numerical=bad)
             return
@@ -406,7 +309,7 @@ class Controller:
             self.on_step(record)
             self._fail(self.step, StepOutcome(lost=commits.lost), struck_at, faults)
             return
-        self._mark_fired(faults)
+        self.faults.spend(faults)
         self.persistence.after_commit(self.step)
         if self.config.eval_every and (
             self.step % self.config.eval_every == 0 or self.step == self.target_steps
@@ -428,10 +331,7 @@ class Controller:
         total, count = 0.0, 0
         for index in range(self.config.eval_batches):
             struck_at = time.time()
-            calls = {
-                r: self.group.submit(r, "evaluate", index) for r in range(self.topology.world_size)
-            }
-            outcome = await_step(self.group, calls, self.policy.timeouts.hang)
+            outcome = self._everyone("evaluate", lambda r: (index,))  # noqa: B023 (called at once)
             if not outcome.ok:
                 self._fail(self.step, outcome, struck_at, {})
                 return None
@@ -439,92 +339,55 @@ class Controller:
             count += sum(r.stats.losses for r in outcome.reports.values())
         return total / count if count else math.nan
 
+    def _everyone(self, method: str, args: Callable[[int], tuple[Any, ...]]) -> StepOutcome:
+        """Run a step-like ``method`` on every rank (a rank without a worker is lost)."""
+        assert self.group is not None
+        ranks = range(self.topology.world_size)
+        calls = {r: self.group.submit(r, method, *args(r)) for r in ranks}
+        return await_step(self.group, calls, self.policy.timeouts.hang)
+
     def _fail(
         self,
         step: int,
         outcome: StepOutcome,
         struck_at: float,
-        faults: dict[int, tuple[Fault, ...]],
+        faults: Armed,
         *,
         numerical: dict[int, str] | None = None,
     ) -> None:
         lost = set(outcome.lost)
-        messages = {rank: f"{type(e).__name__}: {e.reason}" for rank, e in outcome.lost.items()}
-        messages.update(numerical or outcome.failed)
-        injected = self._injected_time(lost | set(messages))
-        if numerical:
-            cause = "numerical fault"
-        elif outcome.hung:
-            cause = "hung"
-        elif any(self.assignment.get(r) in self.lost_nodes for r in lost):
-            cause = "node lost"
-        elif lost:
-            cause = "killed"
-        else:
-            cause = "communication error"
-        self._mark_fired(faults, lost | outcome.hung)
-        self._failure = Failure(
-            step=step,
-            lost=lost,
-            cause=cause,
-            detected_at=time.time(),
+        injected = fault_time(
+            self.members.store, self.generation, lost | set(numerical or outcome.failed)
+        )
+        self.faults.spend(faults, lost | outcome.hung)
+        self._failure = failure_of(
+            step,
+            outcome,
+            numerical=numerical,
+            node_lost=self.members.on_lost_node(lost),
             struck_at=injected if injected is not None else struck_at,
-            errors=messages,
             generation=self.generation,
-            numerical=bool(numerical),
         )
         log.warning(
             "step %d failed (%s): lost %s",
             step,
-            cause,
+            self._failure.cause,
             ", ".join(str(self.topology.worker(r)) for r in sorted(lost)) or "nobody",
         )
         self.phase = Phase.RECOVERING
-
-    def _mark_fired(
-        self, faults: dict[int, tuple[Fault, ...]], ranks: set[int] | None = None
-    ) -> None:
-        """Faults fire once: mark those of ``ranks`` (default: all) as spent."""
-        for rank, fs in faults.items():
-            if ranks is None or rank in ranks:
-                self._fired.update(fs)
-
-    def _injected_time(self, ranks: set[int]) -> float | None:
-        """When an injected fault struck one of ``ranks`` (workers leave it in the store)."""
-        store = dist.PrefixStore(f"gen{self.generation}", self._store)
-        times = []
-        for rank in ranks:
-            key = f"fault/{rank}"
-            with contextlib.suppress(Exception):
-                if store.check([key]):
-                    times.append(float(store.get(key).decode()))
-        return min(times) if times else None
 
     # -- recovery, one phase per transition ----------------------------------------------
 
     def _plan_recovery(self) -> None:
         """RECOVERING: survivors abandon the step and leave; the planner decides."""
         assert self.group is not None and self._failure is not None
-        failure = self._failure
-        if (
-            self.policy.max_recoveries is not None
-            and len(self.events) >= self.policy.max_recoveries
-        ):
-            raise RecoveryError(
-                f"{failure.describe(self.topology)}\nmax_recoveries={self.policy.max_recoveries} reached"
-            )
-        lost = set(failure.lost)
-        self.group.kill(lost)
-        # Survivors abandon the step and leave the generation; anyone dying now is lost too.
-        survivors = [r for r in self.group.ranks() if r not in lost]
-        prepared = self.group.call(
-            "prepare_recovery", survivors, timeout=self.policy.timeouts.control
-        )
-        lost |= set(prepared.lost)
-        self.group.kill(prepared.lost)
-        self.persistence.note({r: rep for r, rep in prepared.results.items() if r not in lost})
+        failure, most = self._failure, self.policy.max_recoveries
+        if most is not None and len(self.events) >= most:
+            raise RecoveryError(f"{failure.describe(self.topology)}\nmax_recoveries={most} reached")
+        lost, reports = self.members.leave_generation(set(failure.lost))
+        self.persistence.note(reports)
         self.persistence.commit_landed()
-        alive = {rank: rep.step for rank, rep in prepared.results.items() if rank not in lost}
+        alive = {rank: report.step for rank, report in reports.items()}
         assessed = (
             {}
             if failure.numerical
@@ -533,31 +396,18 @@ class Controller:
             )
         )
         self.ledger.forget(lost)
-        self._recovery = _Recovery(
-            failure, lost, alive, assessed, self._plan(failure, lost, alive, assessed)
-        )
-        log.info("%s", self._recovery.plan.describe(self.topology))
+        self._recovery = rec = _Recovery(failure, lost, alive, assessed)
+        rec.plan = self._plan(rec)
+        log.info("%s", rec.plan.describe(self.topology))
         self.phase = Phase.REPLACING
 
-    def _plan(
-        self,
-        failure: Failure,
-        lost: set[int],
-        alive: dict[int, int],
-        assessed: dict[int, dict[str, int]],
-    ) -> RecoveryPlan:
-        redundancy = self.ledger.redundancy(
-            alive,
-            mirror_holder=self.layout.mirror_holders(self.ledger.ring),
-            mirror_stale={r: a["rows_stale"] > 0 for r, a in assessed.items()},
-            pls=self.layout.pls(alive, assessed),
-        )
+    def _plan(self, rec: _Recovery) -> RecoveryPlan:
+        redundancy = self.layout.redundancy(self.ledger, rec.alive, rec.assessed)
+        numerical = rec.failure.numerical
         try:
-            return plan(
-                self.topology, lost, redundancy, self.policy, rollback_all=failure.numerical
-            )
+            return plan(self.topology, rec.lost, redundancy, self.policy, rollback_all=numerical)
         except RedundancyExhausted as exc:
-            raise RedundancyExhausted(f"{failure.describe(self.topology)}\n{exc}") from None
+            raise RedundancyExhausted(f"{rec.failure.describe(self.topology)}\n{exc}") from None
 
     def _replace(self) -> None:
         """REPLACING: new processes for the lost workers; survivors restore in place --
@@ -570,15 +420,10 @@ class Controller:
         if cold:
             rebuild = list(range(self.topology.world_size))
             self.group.kill(rec.alive)
-        alive_now = [
-            n for n in self.group.nodes() if n not in self.lost_nodes
-        ] or self.group.nodes()
-        placement = {
-            r: replacement_node(self.topology, r, self.assignment, alive_now) for r in rebuild
-        }
-        rec.warm = self._start_workers(placement, spares=not cold, what="start replacement workers")
+        placement = self.members.replacements(rebuild)
+        rec.warm = self.members.start(placement, spares=not cold, what="start replacement workers")
         if not cold:
-            self._add_spares(self.policy.hot_spares - self.group.spare_count())
+            self.members.add_spares(self.policy.hot_spares - self.group.spare_count())
         rec.breakdown["replace"] = time.perf_counter() - t0
         self.phase = Phase.REFORMING
 
@@ -586,7 +431,7 @@ class Controller:
         """REFORMING: the next generation's process groups, on a fresh store prefix."""
         assert self._recovery is not None
         self._recovery.ring_before = dict(self.ledger.ring)
-        self._recovery.breakdown["reform"] = self.form_generation()
+        self._recovery.breakdown["reform"] = self.members.form_generation()
         self.phase = Phase.RESTORING
 
     def _restore(self) -> None:
@@ -594,17 +439,7 @@ class Controller:
         assert self.group is not None and self._recovery is not None
         rec = self._recovery
         t0 = time.perf_counter()
-        ctx = Restore(
-            group=self.group,
-            topology=self.topology,
-            spec=self.spec,
-            policy=self.policy,
-            ledger=self.ledger,
-            timeout=self.policy.timeouts.transfer,
-            durable=self.persistence.durable,
-            snapshot_dir=self.config.snapshot_dir,
-            checkpoint_dir=self.persistence.checkpoint_dir,
-        )
+        ctx = self.persistence.restore_context()
         while True:
             try:
                 moved = execute(ctx, rec.plan)
@@ -614,7 +449,7 @@ class Controller:
                     "durable snapshot of step %d is corrupted: %s", rec.plan.resume_step, exc
                 )
                 self.ledger.durable_steps.remove(rec.plan.resume_step)
-                rec.plan = self._plan(rec.failure, rec.lost, rec.alive, rec.assessed)
+                rec.plan = self._plan(rec)
         moved += self.layout.seed_mirrors(
             self.group, rec.plan, rec.ring_before, self.ledger.ring, self.policy.timeouts.transfer
         )
@@ -632,7 +467,7 @@ class Controller:
             breakdown=rec.breakdown,
             embedding=embedding,
         )
-        self._pending_event = (event, time.time())
+        self._pending_event = PendingEvent(event)
         self._failure = self._recovery = None
         self.step = rec.plan.resume_step
         self.phase = Phase.RUNNING
@@ -642,14 +477,10 @@ class Controller:
 
         ``resumed=False``: the job ended with the recovery (no step left to resume).
         """
-        if self._pending_event is None:
-            return
-        event, recovered_at = self._pending_event
-        self._pending_event = None
-        event.breakdown["resume"] = time.time() - recovered_at if resumed else 0.0
-        event.seconds = sum(event.breakdown.values())
-        self.events.append(event)
-        self.on_event(event)
+        if self._pending_event is not None:
+            event, self._pending_event = self._pending_event.close(resumed=resumed), None
+            self.events.append(event)
+            self.on_event(event)
 
     # -- results and shutdown ------------------------------------------------------------
 
@@ -679,4 +510,5 @@ class Controller:
         """Release every worker (parked for reuse after a clean finish); drop the store."""
         if self.group is not None:
             self.group.shutdown(clean=self.phase is Phase.FINISHED)
-        self._store = None
+        if hasattr(self, "members"):
+            self.members.close()

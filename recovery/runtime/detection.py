@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from recovery.runtime.group import Call, WorkerGroup, WorkerLost, seconds
+from recovery.runtime.records import Failure
 from recovery.worker import StepReport
 
-__all__ = ["PROBE_TIMEOUT", "StepOutcome", "await_step", "non_finite"]
+__all__ = ["PROBE_TIMEOUT", "StepOutcome", "await_step", "failure_of", "non_finite"]
 
 log = logging.getLogger("checkfree")
 
@@ -136,3 +137,38 @@ def non_finite(reports: Mapping[int, StepReport]) -> dict[int, str]:
         ):
             bad[rank] = f"non-finite loss {r.stats.loss_sum} or gradient norm {r.stats.grad_norm}"
     return bad
+
+
+def failure_of(
+    step: int,
+    outcome: StepOutcome,
+    *,
+    numerical: Mapping[int, str] | None,
+    node_lost: bool,
+    struck_at: float,
+    generation: int,
+) -> Failure:
+    """The `Failure` a failed step (or evaluation) is recovered from: who was lost, what
+    each worker saw, and the cause, most specific first."""
+    messages = {rank: f"{type(e).__name__}: {e.reason}" for rank, e in outcome.lost.items()}
+    messages.update(numerical or outcome.failed)
+    if numerical:
+        cause = "numerical fault"
+    elif outcome.hung:
+        cause = "hung"
+    elif node_lost:
+        cause = "node lost"
+    elif outcome.lost:
+        cause = "killed"
+    else:
+        cause = "communication error"
+    return Failure(
+        step=step,
+        lost=set(outcome.lost),
+        cause=cause,
+        detected_at=time.time(),
+        struck_at=struck_at,
+        errors=messages,
+        generation=generation,
+        numerical=bool(numerical),
+    )

@@ -83,6 +83,10 @@ class WorkerGroup(abc.ABC):
     def nodes(self) -> list[str]:
         """The nodes that are alive now (ids as the implementation names them)."""
 
+    def store_host(self) -> str:
+        """The address the controller's store listens on, so that every worker reaches it."""
+        return "127.0.0.1"
+
     @abc.abstractmethod
     def start(
         self,

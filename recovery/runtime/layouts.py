@@ -19,9 +19,10 @@ from typing import Any
 from parallelism.topology import Topology
 from recovery.errors import RecoveryError
 from recovery.names import Strategy
-from recovery.planner import RecoveryPlan
+from recovery.planner import RecoveryPlan, Redundancy
 from recovery.policy import RecoveryPolicy
 from recovery.runtime.group import WorkerGroup
+from recovery.runtime.ledger import RedundancyLedger
 from recovery.spec import TrainSpec
 from recovery.strategies.pls import PLSLedger
 from recovery.table_worker import TableWorker
@@ -81,6 +82,20 @@ class StateLayout:
     def pls(self, alive: Mapping[int, int], assessed: Mapping[int, dict[str, int]]) -> float:
         """The job's portion of lost samples if every restore assessed is accepted."""
         return 0.0
+
+    def redundancy(
+        self,
+        ledger: RedundancyLedger,
+        alive: Mapping[int, int],
+        assessed: Mapping[int, dict[str, int]],
+    ) -> Redundancy:
+        """The planner's view of what survives among ``alive``, this layout's mirrors included."""
+        return ledger.redundancy(
+            alive,
+            mirror_holder=self.mirror_holders(ledger.ring),
+            mirror_stale={r: a["rows_stale"] > 0 for r, a in assessed.items()},
+            pls=self.pls(alive, assessed),
+        )
 
     def seed_mirrors(
         self,

@@ -18,6 +18,7 @@ from parallelism.topology import Topology
 from recovery.errors import RecoveryError, SnapshotCorrupted
 from recovery.names import Strategy
 from recovery.policy import RecoveryPolicy
+from recovery.runtime.executor import Restore
 from recovery.runtime.group import WorkerGroup
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.snapshots import DurableStore
@@ -74,6 +75,20 @@ class Persistence:
             "seed": self.spec.seed,
             "microbatches": self.spec.microbatches,
         }
+
+    def restore_context(self) -> Restore:
+        """What the executor needs to carry out a plan (snapshots and checkpoints included)."""
+        return Restore(
+            group=self.group,
+            topology=self.topology,
+            spec=self.spec,
+            policy=self.policy,
+            ledger=self.ledger,
+            timeout=self.policy.timeouts.transfer,
+            durable=self.durable,
+            snapshot_dir=self.snapshot_dir,
+            checkpoint_dir=self.checkpoint_dir,
+        )
 
     def _timed(self, name: str, start: float) -> None:
         self.timings.setdefault(name, []).append(time.perf_counter() - start)

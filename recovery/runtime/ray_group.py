@@ -19,7 +19,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from recovery.pool import POOL
-from recovery.ray_env import alive_nodes
+from recovery.ray_env import alive_nodes, connect, driver_host
 from recovery.runtime.group import Call, CallResults, WorkerGroup, WorkerLost, seconds
 from recovery.worker import StageWorker, WorkerInfo
 
@@ -79,6 +79,20 @@ class RayWorkerGroup(WorkerGroup):
         self._spares: list[tuple[Any, str]] = []
         self._warming: dict[int, Any] = {}
         """``id(actor)`` of a spare -> its warm-up call, until `await_spares`."""
+        self.started_ray = False
+        """Whether `connect` started a local Ray (then everything is on 127.0.0.1)."""
+
+    @classmethod
+    def connect(cls, worker_cls: type[StageWorker], **kwargs: Any) -> RayWorkerGroup:
+        """Connect to Ray (``RAY_ADDRESS``, as ``ray job submit`` sets) or start a local
+        one, and make a group; ``kwargs`` as for the constructor."""
+        started = connect()
+        group = cls(worker_cls, **kwargs)
+        group.started_ray = started
+        return group
+
+    def store_host(self) -> str:
+        return "127.0.0.1" if self.started_ray else driver_host()
 
     @property
     def _pool_key(self) -> tuple[Any, ...]:

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from parallelism.topology import Topology
@@ -13,7 +14,7 @@ from recovery.events import RecoveryEvent
 from recovery.planner import RecoveryPlan
 from recovery.worker import StepReport
 
-__all__ = ["Failure", "StepRecord", "recovery_event", "step_record"]
+__all__ = ["Failure", "PendingEvent", "StepRecord", "recovery_event", "step_record"]
 
 
 @dataclass
@@ -85,6 +86,20 @@ class Failure:
         return "\n".join(lines)
 
 
+@dataclass
+class PendingEvent:
+    """A finished recovery whose event waits for the first commit after it (``resume``)."""
+
+    event: RecoveryEvent
+    recovered_at: float = field(default_factory=time.time)
+
+    def close(self, *, resumed: bool) -> RecoveryEvent:
+        """The complete event; ``resumed=False``: the job ended with the recovery."""
+        self.event.breakdown["resume"] = time.time() - self.recovered_at if resumed else 0.0
+        self.event.seconds = sum(self.event.breakdown.values())
+        return self.event
+
+
 def recovery_event(
     topology: Topology,
     failure: Failure,
@@ -127,4 +142,3 @@ def recovery_event(
         detail=failure.describe(topology) + "\n" + plan.describe(topology),
         embedding=embedding,
     )
-
