@@ -1,0 +1,77 @@
+"""Injected faults as the controller arms them, step by step.
+
+A `FailureSchedule` says what strikes when; `InjectedFaults` turns it into what each
+worker is handed with its step: a `KillNode` becomes a `Kill` of every worker on that
+node (and the node is booked lost), and a fault is spent once it has struck, so a step
+re-run after a recovery does not fail again. Workers leave the wall-clock time a fault
+struck in the generation's store (`fault_time` reads it), which is where a recovery's
+``detect`` time is measured from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Any
+
+import torch.distributed as dist
+
+from parallelism.topology import Topology
+from recovery.faults import FailureSchedule, Fault, Kill, KillNode, WorkerFault
+from recovery.runtime.membership import Membership
+
+__all__ = ["Armed", "InjectedFaults", "fault_time"]
+
+Armed = dict[int, tuple[Fault, ...]]
+"""The faults handed to each rank with one step."""
+
+
+class InjectedFaults:
+    """The schedule's faults, armed for the step they strike at; each fires once."""
+
+    def __init__(self, schedule: FailureSchedule, topology: Topology) -> None:
+        self.schedule = schedule
+        self.topology = topology
+        self._fired: set[Fault] = set()
+
+    def check_nodes(self, nodes: int) -> None:
+        """Raises ValueError for a `KillNode` of a node the job does not have."""
+        for fault in self.schedule:
+            if isinstance(fault, KillNode) and fault.node >= nodes:
+                raise ValueError(f"{fault}: the job runs on {nodes} node(s)")
+
+    def arm(self, step: int, membership: Membership) -> Armed:
+        """The faults that strike at ``step``, per rank (a node's loss is booked now)."""
+        out: dict[int, list[Fault]] = {}
+        for fault in self.schedule:
+            if fault.step != step or fault in self._fired:
+                continue
+            if isinstance(fault, KillNode):
+                for rank in membership.lose_node(membership.job_nodes[fault.node]):
+                    w = self.topology.worker(rank)
+                    out.setdefault(rank, []).append(
+                        Kill(step=step, stage=w.stage, replica=w.replica)
+                    )
+                self._fired.add(fault)
+            elif isinstance(fault, WorkerFault):
+                out.setdefault(self.topology.rank(fault.stage, fault.replica), []).append(fault)
+        return {rank: tuple(faults) for rank, faults in out.items()}
+
+    def spend(self, armed: Armed, ranks: Iterable[int] | None = None) -> None:
+        """Mark the faults of ``ranks`` (default: all armed) as fired."""
+        chosen = None if ranks is None else set(ranks)
+        for rank, faults in armed.items():
+            if chosen is None or rank in chosen:
+                self._fired.update(faults)
+
+
+def fault_time(store: Any, generation: int, ranks: Iterable[int]) -> float | None:
+    """When an injected fault struck one of ``ranks`` in ``generation`` (None: no record)."""
+    prefixed = dist.PrefixStore(f"gen{generation}", store)
+    times = []
+    for rank in ranks:
+        key = f"fault/{rank}"
+        with contextlib.suppress(Exception):
+            if prefixed.check([key]):
+                times.append(float(prefixed.get(key).decode()))
+    return min(times) if times else None

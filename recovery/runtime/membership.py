@@ -1,0 +1,191 @@
+"""Who runs where, and the generations they meet in.
+
+`Membership` owns the job's placement (rank -> node, and each worker's host for its
+transport), the nodes lost so far, the hot spares, and the process-group generations:
+every generation meets on a fresh key prefix of the controller's store, with the buddy
+ring of that placement. The controller asks it to start workers, to find nodes for
+replacements, and to form the next generation; it decides nothing about recovery.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection
+from typing import Any
+
+from parallelism.comm import Rendezvous, host_store
+from parallelism.topology import Topology
+from recovery.errors import RecoveryError
+from recovery.placement import place, replacement_node
+from recovery.policy import RecoveryPolicy
+from recovery.runtime.group import WorkerGroup, seconds
+from recovery.runtime.layouts import StateLayout
+from recovery.runtime.ledger import RedundancyLedger
+from recovery.snapshots import buddies
+from recovery.spec import TrainSpec
+from recovery.worker import StepReport
+
+__all__ = ["Membership"]
+
+log = logging.getLogger("checkfree")
+
+
+class Membership:
+    """The workers' placement, spares and generations (see the module docstring).
+
+    Args:
+        host: the address the controller's store listens on (and workers dial).
+        backend: the workers' process-group backend.
+    """
+
+    def __init__(
+        self,
+        group: WorkerGroup,
+        spec: TrainSpec,
+        topology: Topology,
+        policy: RecoveryPolicy,
+        layout: StateLayout,
+        ledger: RedundancyLedger,
+        *,
+        host: str,
+        backend: str,
+    ) -> None:
+        self.group = group
+        self.spec = spec
+        self.topology = topology
+        self.policy = policy
+        self.layout = layout
+        self.ledger = ledger
+        self.host = host
+        self.backend = backend
+        self.store: Any = host_store(host)
+        self.generation = -1
+        self.job_nodes = group.nodes()
+        self.lost_nodes: set[str] = set()
+        self.assignment: dict[int, str] = place(topology, self.job_nodes)
+        """Rank -> the node its worker runs on (as started)."""
+        self.hosts: dict[int, str] = {}
+
+    def start_job(self) -> None:
+        """Start the policy's hot spares and every worker (reusing parked ones), and wait
+        for the spares: a spare still importing torch is no spare.
+
+        Raises:
+            RecoveryError: if the job's workers cannot be started or set up.
+        """
+        spares = self.policy.hot_spares
+        self.add_spares(spares)
+        self.start(dict(self.assignment), parked=True, what="start workers")
+        ready = self.group.await_spares(self.policy.timeouts.start)
+        if ready < spares:
+            log.warning("%d hot spare(s) failed to start; continuing without them", spares - ready)
+
+    def leave_generation(self, lost: set[int]) -> tuple[set[int], dict[int, StepReport]]:
+        """Kill the lost workers; the survivors abandon the step and leave the generation.
+
+        Returns the lost ranks (grown by anyone who died or did not answer meanwhile, who
+        is killed too) and the survivors' reports.
+        """
+        self.group.kill(lost)
+        survivors = [r for r in self.group.ranks() if r not in lost]
+        prepared = self.group.call(
+            "prepare_recovery", survivors, timeout=self.policy.timeouts.control
+        )
+        self.group.kill(prepared.lost)
+        lost = lost | set(prepared.lost)
+        return lost, {r: report for r, report in prepared.results.items() if r not in lost}
+
+    def live_nodes(self) -> list[str]:
+        """The job's nodes not lost (all of them if every one was lost: Ray may have more)."""
+        return [n for n in self.job_nodes if n not in self.lost_nodes] or self.job_nodes
+
+    def lose_node(self, node: str) -> list[int]:
+        """Book ``node`` as lost; returns the ranks that ran on it."""
+        self.lost_nodes.add(node)
+        return [rank for rank, on in self.assignment.items() if on == node]
+
+    def on_lost_node(self, ranks: Collection[int]) -> bool:
+        """Whether any of ``ranks`` ran on a lost node."""
+        return any(self.assignment.get(r) in self.lost_nodes for r in ranks)
+
+    def replacements(self, ranks: Collection[int]) -> dict[int, str]:
+        """A node for each rank to rebuild, keeping replicas of a stage apart."""
+        nodes = [n for n in self.group.nodes() if n not in self.lost_nodes] or self.group.nodes()
+        return {r: replacement_node(self.topology, r, self.assignment, nodes) for r in ranks}
+
+    def start(
+        self, placement: dict[int, str], *, what: str, spares: bool = False, parked: bool = False
+    ) -> set[int]:
+        """Start workers for ``placement`` and set them up. Returns the ranks that got a
+        warm worker (a hot spare, or one parked by an earlier job).
+
+        Raises:
+            RecoveryError: naming ``what`` failed, if a worker cannot be started or set up.
+        """
+        started, warm = self.group.start(
+            placement, timeout=self.policy.timeouts.start, spares=spares, parked=parked
+        )
+        if started.lost:
+            raise RecoveryError(started.describe(what))
+        for rank, info in started.results.items():
+            self.assignment[rank] = info.node_id or placement[rank]
+            self.hosts[rank] = info.host
+        built = self.group.call(
+            "setup",
+            placement,
+            lambda rank: self.layout.setup_args(rank, self.backend),
+            timeout=self.policy.timeouts.start,
+        )
+        if built.lost:
+            raise RecoveryError(built.describe("build stages"))
+        return warm
+
+    def add_spares(self, count: int) -> None:
+        """Start ``count`` more hot spares, round-robin over the live nodes, warming up."""
+        nodes = self.live_nodes()
+        first = self.group.spare_count()
+        picks = [nodes[(first + i) % len(nodes)] for i in range(max(0, count))]
+        warm = ("warm", (self.spec, self.topology, self.backend))
+        self.group.add_spares(picks, lambda: warm)
+
+    def form_generation(self) -> float:
+        """Tear down the current process groups everywhere and form the next generation.
+
+        Returns the seconds it took. Every generation meets on a fresh key prefix of the
+        controller's store, so nothing from an older generation is ever read again.
+
+        Raises:
+            RecoveryError: if a worker does not join in time.
+        """
+        start = time.perf_counter()
+        self.generation += 1
+        timeout = self.policy.timeouts.join
+        rendezvous = Rendezvous(
+            self.host, self.store.port, f"gen{self.generation}", seconds(timeout)
+        )
+        peer = bool(self.policy.snapshots.peer_every) and self.topology.world_size > 1
+        mirrors = self.layout.mirrors_on_ring and self.topology.world_size > 1
+        ring = buddies(self.topology, self.assignment) if peer or mirrors else {}
+        self.ledger.ring = ring
+        wards = {buddy: ward for ward, buddy in ring.items()}
+        joined = self.group.call(
+            "join",
+            range(self.topology.world_size),
+            lambda rank: (
+                self.generation,
+                rendezvous,
+                self.hosts.get(rank, "127.0.0.1"),
+                peer,
+                ring.get(rank),
+                wards.get(rank),
+            ),
+            timeout=seconds(timeout) + 10,
+        )
+        if joined.lost:
+            raise RecoveryError(joined.describe(f"form generation {self.generation}"))
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        """Drop the store (workers still connected to it see it go)."""
+        self.store = None
