@@ -316,21 +316,24 @@ class StageComm:
         """
         self.waiting_on = peer
         try:
-            if self.backend == "gloo":
-                self._wait_unless_closed(work)
+            if self.backend == "gloo" and peer == -1:
+                self._wait_collective(work)
             else:
                 work.wait()  # NCCL: enqueues a stream wait, the CPU does not block
         finally:
             self.waiting_on = None
 
-    def _wait_unless_closed(self, work: dist.Work) -> None:
-        """Block on a Gloo ``work`` until it completes or this worker's groups are closed.
+    def _wait_collective(self, work: dist.Work) -> None:
+        """Block on a Gloo collective until it completes or this worker's groups are closed.
 
         See [Note: tearing down on failure]: cutting the connections wakes a waiter, except
-        in one race that the tests met under load (the work is queued while another thread
-        closes the group; Gloo then leaves it pending until its own timeout, a minute). So
-        never wait unboundedly: wait in short slices (re-waiting a Gloo work after a slice
-        runs out is safe) and give up as soon as the groups are closed.
+        in one race that the tests met under load (a collective queued on the group's
+        worker thread while another thread closes the group; Gloo then leaves it pending
+        until its own timeout, a minute). So a collective is waited on in short slices
+        (re-waiting a Gloo collective after a slice runs out is safe) and given up as soon
+        as the groups are closed. Not so a send or a receive: Gloo hands their timeout to
+        the transfer itself, which then fails; they run on the calling thread and the cut
+        connections always wake them.
         """
         while True:
             try:
@@ -388,13 +391,13 @@ class StageComm:
         """Receive into CPU ``tensor`` from ``src`` over the side group, blocking."""
         if self._side is None:
             raise RuntimeError("no side group in this generation (closed, or not requested)")
-        self._wait_unless_closed(self._side.recv([tensor], src, 0))
+        self._side.recv([tensor], src, 0).wait()
         return tensor
 
     def side_wait(self, works: list[dist.Work]) -> None:
-        """Wait for `side_isend`'s works (a connection error once the groups are closed)."""
+        """Wait for `side_isend`'s works."""
         for work in works:
-            self._wait_unless_closed(work)
+            work.wait()
 
     # -- collectives -----------------------------------------------------------------------
 
