@@ -2,7 +2,9 @@
 
 The values are the strings written to ``events.jsonl`` and accepted on the command line,
 so they never change; this is the only module that spells them (the planner, the policy,
-the runtime's executor, events and every simulator use these members).
+the runtime's executor, events, the command line and every simulator use these members).
+`Mode` is what a policy chooses between, a vocabulary of its own that shares the word
+``restart`` with `Strategy`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ else:  # pragma: no cover - Python 3.10
             return str(self.value)
 
 
-__all__ = ["APPROXIMATE", "StrEnum", "Strategy", "Tier"]
+__all__ = ["APPROXIMATE", "Mode", "StrEnum", "Strategy", "Tier"]
 
 
 class Strategy(StrEnum):
@@ -59,3 +61,14 @@ class Tier(StrEnum):
     """Workers' memory: each worker's own copy and its buddy's."""
     DURABLE = "durable"
     """Files (torch.distributed.checkpoint), checksummed; survives the driver."""
+
+
+class Mode(StrEnum):
+    """What a policy does about every failure (``RecoveryPolicy.strategy``, the command line's
+    ``--strategy``); `Strategy` names how one recovery rebuilt each lost unit."""
+
+    AUTO = "auto"
+    """The recovery hierarchy: rebuild lost workers from live redundancy, roll back only
+    when it is exhausted."""
+    RESTART = "restart"
+    """The baseline: every failure is a `Strategy.RESTART` from the last checkpoint."""

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from parallelism.topology import Topology
 from recovery.errors import RedundancyExhausted
-from recovery.names import APPROXIMATE, Strategy, Tier
+from recovery.names import APPROXIMATE, Mode, Strategy, Tier
 from recovery.policy import RecoveryPolicy
 
 
@@ -137,7 +137,7 @@ def plan(
         )
     if not lost_set and not rollback_all:
         return RecoveryPlan(actions=(), resume_step=max(alive.values(), default=0))
-    if policy.strategy == Strategy.RESTART:
+    if policy.strategy == Mode.RESTART:
         return _restart(topology, lost_set, redundancy)
 
     step = max(alive.values(), default=0)
@@ -199,7 +199,7 @@ def _partial_allowed(redundancy: Redundancy, policy: RecoveryPolicy) -> bool:
         return False
     return (
         decide(policy.mirrors.embedding, pls=redundancy.pls, budget=policy.mirrors.pls_budget)
-        == "partial"
+        == Strategy.EMBEDDING_PARTIAL
     )
 
 
@@ -253,7 +253,7 @@ def _why_mirror(
             else f"the policy (embedding={policy.mirrors.embedding!r}) demands exact rows"
         )
         return f"the mirrors of {', '.join(stale)} hold stale rows and {why}"
-    return "the policy does not allow shard_mirror"
+    return f"the policy does not allow {Strategy.SHARD_MIRROR}"
 
 
 def _live_replica(topology: Topology, stage: int, current: set[int], index: int) -> int | None:

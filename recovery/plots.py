@@ -6,6 +6,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from recovery.names import Strategy
+
 
 def plot_loss(
     metrics: Sequence[Mapping[str, Any]],
@@ -41,7 +43,7 @@ def plot_loss(
         strategy = str(event.get("strategy", "failure"))
         label = f"failure -> {strategy}" if strategy not in labelled else None
         labelled.add(strategy)
-        color = "tab:red" if strategy == "rollback" else "tab:orange"
+        color = "tab:red" if strategy == Strategy.ROLLBACK else "tab:orange"
         ax.axvline(start, color=color, ls="--", lw=1.0, label=label)
         if span > 0:
             ax.axvspan(start, start + span, color=color, alpha=0.15)

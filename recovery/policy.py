@@ -19,7 +19,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from parallelism.checks import check_fraction, check_int, check_number, check_positive_int
-from recovery.names import Strategy
+from recovery.names import Mode, Strategy
 
 if TYPE_CHECKING:
     from recovery.strategies.checkfree import CheckFreeConfig
@@ -37,8 +37,8 @@ __all__ = [
     "Timeouts",
 ]
 
-MODES = ("auto", "restart")
-"""``RecoveryPolicy.strategy``: the recovery hierarchy, or the restart baseline."""
+MODES = tuple(m.value for m in Mode)
+"""``RecoveryPolicy.strategy``: the recovery hierarchy, or the restart baseline (`Mode`)."""
 APPROXIMATIONS = (None, "checkfree", "checkfree+")
 STRATEGY_NAMES = tuple(s.value for s in Strategy if s is not Strategy.RESTART)
 """The recovery strategies a policy can allow (see docs/DESIGN.md, Recovery hierarchy)."""
@@ -216,7 +216,7 @@ class RecoveryPolicy:
         TypeError: for an unknown keyword argument.
     """
 
-    strategy: str = "auto"
+    strategy: str = Mode.AUTO.value
     """``"auto"``: the recovery hierarchy (rebuild lost workers from live redundancy, roll
     back only when it is exhausted). ``"restart"``: the baseline torchrun and Ray Train
     implement -- tear down every worker, start new ones, load the last checkpoint, redo the

@@ -16,6 +16,7 @@ from parallelism.comm import BACKENDS, default_backend
 from parallelism.topology import Topology
 from recovery.events import RecoveryEvent
 from recovery.faults import FailureSchedule
+from recovery.names import Strategy, Tier
 from recovery.plots import plot_loss
 from recovery.policy import RecoveryPolicy
 from recovery.rundir import RunDir
@@ -252,9 +253,9 @@ class Trainer:
             generation=controller.generation,
             cause="driver restarted",
             lost=[(w.stage, w.replica) for w in self.topology.workers()],
-            strategy="rollback",
+            strategy=Strategy.ROLLBACK,
             lost_steps=max(0, reached - step),
-            tier="durable",
+            tier=Tier.DURABLE,
             detail=f"resumed from the durable snapshot of step {step} in {self.config.snapshot_dir}",
         )
         controller.events.append(event)

@@ -25,6 +25,7 @@ import torch
 from parallelism import Topology
 from parallelism.schedule import theoretical_bubble
 from recovery import Trainer, TrainSpec
+from recovery.names import Mode, Strategy
 from recovery.reference import train_reference
 
 
@@ -394,7 +395,7 @@ def recovery(args: argparse.Namespace) -> None:
             (
                 f"restart, checkpoint every {args.restart_every}",
                 RecoveryPolicy(
-                    strategy="restart", checkpoint_every=args.restart_every, snapshot_every=None
+                    strategy=Mode.RESTART, checkpoint_every=args.restart_every, snapshot_every=None
                 ),
                 [restart_kill],
                 restart_kill.step + 2,
@@ -430,7 +431,7 @@ def recovery(args: argparse.Namespace) -> None:
                 ]
             )
             print("  " + " | ".join(rows[-1][1:]), flush=True)
-            if event.strategy == "replica_copy" and b["transfer"] > 0:
+            if event.strategy == Strategy.REPLICA_COPY and b["transfer"] > 0:
                 memcpy = _memcpy_rate(event.bytes_moved)
                 wire = _gloo_rate(event.bytes_moved)
                 rate = event.bytes_moved / b["transfer"]

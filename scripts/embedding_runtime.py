@@ -45,6 +45,7 @@ from parallelism.workloads.dlrm import (
 )
 from recovery import FitResult, RecoveryPolicy, Trainer, TrainSpec
 from recovery.faults import FailureSchedule
+from recovery.names import Strategy
 from simulations.embedding import failure_schedule
 
 NEVER = 10**9
@@ -108,9 +109,9 @@ def summarize(
         lost_s=result.wall_s - base.wall_s,
         step_ms=step * 1e3,
         lost_parts_s=parts,
-        partial=by("embedding_partial"),
-        exact=by("shard_mirror"),
-        rollbacks=by("rollback"),
+        partial=by(Strategy.EMBEDDING_PARTIAL),
+        exact=by(Strategy.SHARD_MIRROR),
+        rollbacks=by(Strategy.ROLLBACK),
         redone_steps=redone,
         rows_stale=int(sum(e.embedding["rows_stale"] for e in events if e.embedding)),
         pls=max((e.embedding["pls_job"] for e in events if e.embedding), default=0.0),
@@ -210,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = [
         ("no failures", base),
         (f"full rollback (snapshot every {young})", fit("full rollback", RecoveryPolicy(
-            allowed=("rollback",), snapshot_every=young, **quiet), failures)),
+            allowed=(Strategy.ROLLBACK,), snapshot_every=young, **quiet), failures)),
         (f"CPR (full copy every {args.mirror_every})", fit("CPR", RecoveryPolicy(
             snapshot_every=young, mirror_hot_rows=0, mirror_every=args.mirror_every,
             pls_budget=args.pls_budget), failures)),

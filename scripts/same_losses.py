@@ -42,6 +42,7 @@ def _jobs() -> dict[str, Callable[[], tuple[Any, Any]]]:
 
     from parallelism import Topology
     from recovery import FailureSchedule, Kill, KillPoint, RecoveryPolicy, Trainer, TrainSpec
+    from recovery.names import Mode
 
     def stage(s: int, n: int) -> nn.Module:
         return nn.Sequential(nn.Linear(16, 16), nn.Tanh())
@@ -98,7 +99,7 @@ def _jobs() -> dict[str, Callable[[], tuple[Any, Any]]]:
         "mlp_2x1_restart": lambda: run(
             mlp,
             Topology(2, 1),
-            RecoveryPolicy(strategy="restart", checkpoint_every=2),
+            RecoveryPolicy(strategy=Mode.RESTART, checkpoint_every=2),
             Kill(step=5, stage=0, replica=0),
         ),
     }

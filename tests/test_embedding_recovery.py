@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from parallelism.workloads.clicks import ClickBatch, ClickLogs
 from parallelism.workloads.dlrm import DLRMConfig, InProcessDLRM
 from recovery.faults import FailureSchedule, Hang, Kill
+from recovery.names import Strategy
 from recovery.strategies.embedding import (
     MFUTracker,
     MirrorPlan,
@@ -188,7 +189,7 @@ def test_mirroring_every_step_makes_recovery_bit_exact(kill_at: int, rank: int) 
         failed.step()
     restored = failed.kill(rank)
     assert restored.rows_stale == 0 and restored.lost_lookups == 0
-    assert decide("exact", pls=0.0, budget=0.0) == "partial"
+    assert decide("exact", pls=0.0, budget=0.0) == Strategy.EMBEDDING_PARTIAL
     while failed.committed < steps:
         failed.step()
     for a, b in zip(failed.state(), _clean_state(steps), strict=True):
@@ -405,10 +406,10 @@ def test_restore_takes_the_freshest_copy_and_touches_nothing() -> None:
 
 
 def test_decide_policy() -> None:
-    assert decide("partial", pls=0.01, budget=0.02) == "partial"
-    assert decide("partial", pls=0.03, budget=0.02) == "rollback"
-    assert decide("exact", pls=0.0, budget=0.5) == "partial"
-    assert decide("exact", pls=1e-9, budget=0.5) == "rollback"
+    assert decide("partial", pls=0.01, budget=0.02) is Strategy.EMBEDDING_PARTIAL
+    assert decide("partial", pls=0.03, budget=0.02) is Strategy.ROLLBACK
+    assert decide("exact", pls=0.0, budget=0.5) is Strategy.EMBEDDING_PARTIAL
+    assert decide("exact", pls=1e-9, budget=0.5) is Strategy.ROLLBACK
     with pytest.raises(ValueError, match="embedding must be one of"):
         decide("lossy", pls=0.0, budget=0.1)
     with pytest.raises(ValueError, match="budget"):

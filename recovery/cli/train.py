@@ -26,7 +26,8 @@ from parallelism import Topology
 from recovery import Trainer, TrainSpec
 from recovery.events import summary_table
 from recovery.faults import FailureSchedule, Kill, KillPoint
-from recovery.policy import RecoveryPolicy
+from recovery.names import Mode
+from recovery.policy import MODES, RecoveryPolicy
 from recovery.rundir import RunDir
 
 
@@ -92,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "'kill:step=20,stage=1,replica=0[,at=mid_pipeline];hang:step=30,stage=2,replica=1;"
         "killnode:step=40,node=0;poisson:rate=0.002,seed=1'",
     )
-    g.add_argument("--strategy", choices=["auto", "restart"], default="auto",
+    g.add_argument("--strategy", choices=MODES, default=Mode.AUTO.value,
                    help="auto: rebuild lost workers from live redundancy; restart: the checkpoint/restart baseline")  # fmt: skip
     g.add_argument(
         "--hot-spares", type=int, default=1, help="warm spare workers kept ready (default 1)"

@@ -16,7 +16,7 @@ from typing import Any
 
 from parallelism.topology import Topology
 from recovery.errors import RecoveryError, SnapshotCorrupted
-from recovery.names import Strategy
+from recovery.names import Mode
 from recovery.policy import RecoveryPolicy
 from recovery.runtime.executor import Restore
 from recovery.runtime.group import WorkerGroup
@@ -58,7 +58,7 @@ class Persistence:
         self.snapshot_dir = snapshot_dir
         self.durable: DurableStore | None = None
         self.checkpoint_dir = ""
-        if policy.strategy == Strategy.RESTART:
+        if policy.strategy == Mode.RESTART:
             self.checkpoint_dir = str(
                 policy.baseline.checkpoint_dir
                 or work_dir
@@ -192,7 +192,7 @@ class Persistence:
         """Take the checkpoint and snapshots due now that ``step`` steps are committed."""
         hang = self.policy.timeouts.hang
         if (
-            self.policy.strategy == Strategy.RESTART
+            self.policy.strategy == Mode.RESTART
             and step % self.policy.baseline.checkpoint_every == 0
         ):
             start = time.perf_counter()

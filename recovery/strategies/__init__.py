@@ -4,12 +4,13 @@
 ablations, the rebuilt stage's optimizer state and learning rate, and the gradient-norm
 bookkeeping the weights need. The Ray runtime and the in-process simulator both call
 these functions. `embedding` holds partial recovery of row-sharded embedding tables (CPR
-with MFU shard mirrors): mirrors, shard restore, the portion of lost samples and the
-``embedding="partial" | "exact"`` decision.
+with MFU shard mirrors): mirrors, shard restore, the portion of lost samples and the decision between partial
+recovery (``embedding="partial" | "exact"``) and rollback.
 """
 
 from recovery.strategies.checkfree import (
     DEFAULT_EPS,
+    AblationMethod,
     Averaging,
     CheckFreeConfig,
     GradNormTracker,
@@ -46,6 +47,7 @@ from recovery.strategies.embedding import (
 __all__ = [
     "DEFAULT_EPS",
     "EMBEDDING_POLICIES",
+    "AblationMethod",
     "Averaging",
     "CheckFreeConfig",
     "GradNormTracker",

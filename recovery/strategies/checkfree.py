@@ -57,6 +57,7 @@ from torch import Tensor, nn
 from parallelism.checks import check_number, check_positive_int
 from parallelism.engine import clip_gradients
 from recovery.errors import RedundancyExhausted
+from recovery.names import Strategy, StrEnum
 
 StageState = dict[str, Tensor]
 """A stage module's ``state_dict``: parameter and buffer name -> tensor."""
@@ -87,6 +88,17 @@ class Averaging(str, enum.Enum):
     """Copy stage ``i+1``."""
     RANDOM = "random"
     """Re-initialise: the template's fresh weights."""
+
+
+class AblationMethod(StrEnum):
+    """How an ablation rebuilt a stage, where no recovery `Strategy` names it (a
+    `Rebuilt.method`; the published rebuilds are `Strategy.NEIGHBOR_AVERAGE` and
+    `Strategy.EDGE_COPY`)."""
+
+    COPY = "copy"
+    """One neighbour copied whole (``Averaging.COPY``, ``COPY_PREV``, ``COPY_NEXT``)."""
+    RANDOM = "random"
+    """Re-initialised (``Averaging.RANDOM``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,8 +185,9 @@ class Rebuilt:
 
     state: StageState
     """The rebuilt stage's state dict (same keys, shapes and dtypes as the template)."""
-    method: str
-    """``"neighbor_average"``, ``"copy"``, ``"random"`` or ``"edge_copy"``."""
+    method: Strategy | AblationMethod
+    """`Strategy.NEIGHBOR_AVERAGE` or `Strategy.EDGE_COPY`; for an ablation, its
+    `AblationMethod`."""
     weights: tuple[float, float]
     """Weights of (previous, next) neighbour, normalised to sum to 1; for an edge copy,
     ``(1, 0)`` on the partner's side."""
@@ -442,10 +455,10 @@ def rebuild_stage(
             )
         if averaging is Averaging.RANDOM:
             state = random_reinit(template, prev=partner, exact_keys=exact_keys)
-            method = "random"
+            method: Strategy | AblationMethod = AblationMethod.RANDOM
         else:
             state = edge_copy(partner, template)
-            method = "edge_copy"
+            method = Strategy.EDGE_COPY
         weights = (0.0, 1.0) if stage == 0 else (1.0, 0.0)
         if config.reset_optimizer or averaging is Averaging.RANDOM:
             moments = _moments_for(exact_keys, partner_moments, None, 1.0, 0.0, exact_keys)
@@ -461,10 +474,10 @@ def rebuild_stage(
     state = _blend(prev, nxt, template, prev_norm, next_norm, averaging, config.eps, exact_keys)
     if averaging is Averaging.RANDOM:
         weights = (0.0, 0.0)
-        method = "random"
+        method = AblationMethod.RANDOM
     else:
         weights = neighbor_weights(prev_norm, next_norm, averaging, eps=config.eps)
-        method = "copy" if 0.0 in weights else "neighbor_average"
+        method = AblationMethod.COPY if 0.0 in weights else Strategy.NEIGHBOR_AVERAGE
     if config.reset_optimizer or averaging is Averaging.RANDOM:
         moment_keys: Iterable[str] = exact_keys
     else:

@@ -63,6 +63,7 @@ import torch
 from torch import Tensor
 
 from parallelism.checks import check_fraction, check_index, check_number, check_positive_int
+from recovery.names import Strategy
 
 __all__ = [
     "EMBEDDING_POLICIES",
@@ -632,8 +633,11 @@ def portion_of_lost_samples(lost_lookups: int, *, lookups_per_sample: int, sampl
     return lost_lookups / lookups_per_sample / samples
 
 
-def decide(embedding: str, *, pls: float, budget: float) -> Literal["partial", "rollback"]:
-    """Recover the lost shard in place (``"partial"``) or roll the job back.
+def decide(
+    embedding: str, *, pls: float, budget: float
+) -> Literal[Strategy.EMBEDDING_PARTIAL, Strategy.ROLLBACK]:
+    """Recover the lost shard in place (`Strategy.EMBEDDING_PARTIAL`) or roll the job back
+    (`Strategy.ROLLBACK`).
 
     ``pls`` is the job's PLS with this event included: the lost samples of the events it
     accepted (and did not later roll back) and of this one, over the samples trained.
@@ -648,5 +652,5 @@ def decide(embedding: str, *, pls: float, budget: float) -> Literal["partial", "
     check_fraction("PLS budget", budget)
     check_number("pls", pls, minimum=0, allow_inf=True)
     if embedding == "exact":
-        return "partial" if pls == 0 else "rollback"
-    return "partial" if pls <= budget else "rollback"
+        return Strategy.EMBEDDING_PARTIAL if pls == 0 else Strategy.ROLLBACK
+    return Strategy.EMBEDDING_PARTIAL if pls <= budget else Strategy.ROLLBACK
