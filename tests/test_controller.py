@@ -1,9 +1,10 @@
 """The controller's transitions, driven one `advance` at a time over threads (no Ray).
 
-Each test builds a real job -- real `StageWorker`s forming Gloo groups on a store in this
-process -- on a `ThreadWorkerGroup`, injects a failure at one point, and checks the
-sequence of phases, the plan the planner chose, and the oracle: exact recoveries end
-bit-identical to a run that never failed.
+Each test builds a real job with `tests.jobs.make` -- real `StageWorker`s forming Gloo
+groups on a store in this process, on a `ThreadWorkerGroup` -- injects a failure at one
+point, drives it with `tests.jobs.drive`, and checks the sequence of phases, the plan the
+planner chose, and the oracle: exact recoveries end bit-identical to a run that never
+failed.
 """
 
 from __future__ import annotations
@@ -14,50 +15,12 @@ import pytest
 import torch
 
 from parallelism import Topology
-from recovery import FailureSchedule, Hang, Kill, KillPoint, RecoveryError, RecoveryPolicy
-from recovery.runtime import Controller, ControllerConfig, Phase, ThreadWorkerGroup
-from recovery.runtime.layouts import layout_for
-from recovery.spec import TrainSpec
+from recovery import Hang, Kill, KillPoint, RecoveryError, RecoveryPolicy
+from recovery.runtime import Phase
+from tests.jobs import STEPS, drive, make
 from tests.workloads import mlp_spec
 
-STEPS = 5
 RECOVERY = [Phase.RECOVERING, Phase.REPLACING, Phase.REFORMING, Phase.RESTORING, Phase.RUNNING]
-
-
-def make(
-    spec: TrainSpec,
-    top: Topology,
-    *faults: object,
-    policy: RecoveryPolicy | None = None,
-    nodes: int = 2,
-) -> tuple[Controller, ThreadWorkerGroup]:
-    policy = policy or RecoveryPolicy()
-    group = ThreadWorkerGroup(
-        layout_for(spec, top, policy, 1).worker_cls, nodes=[f"node-{i}" for i in range(nodes)]
-    )
-    controller = Controller(
-        spec,
-        top,
-        ControllerConfig(backend="gloo"),
-        policy=policy,
-        failures=FailureSchedule(list(faults)),  # type: ignore[arg-type]
-        group=group,
-    )
-    controller.start()
-    controller.target_steps = STEPS
-    return controller, group
-
-
-def drive(controller: Controller) -> list[Phase]:
-    phases = []
-    try:
-        while controller.phase not in (Phase.FINISHED, Phase.FAILED):
-            phases.append(controller.advance())
-        states = controller.states() if controller.phase is Phase.FINISHED else {}
-    finally:
-        controller.shutdown()
-    controller.final_states = states  # type: ignore[attr-defined]
-    return phases
 
 
 def after_running(phases: list[Phase]) -> list[Phase]:

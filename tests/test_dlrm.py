@@ -27,7 +27,7 @@ from parallelism.workloads.dlrm import (
     roc_auc,
     route_lookups,
 )
-from tests.threaded import in_threads
+from tests.jobs import in_threads
 
 TIMEOUT = datetime.timedelta(seconds=30)
 TINY = DLRMConfig.preset("tiny")

@@ -1,4 +1,8 @@
-"""The engine's math without Ray: pipeline x data parallel equals plain training."""
+"""The engine's math: pipeline x data parallel equals plain training.
+
+Each job is the real controller over threads (`tests.jobs`): real workers, Gloo groups and
+schedules, no Ray.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +13,10 @@ import torch
 
 from parallelism import Topology
 from parallelism.comm import Rendezvous, StageComm, host_store
+from recovery import RecoveryPolicy
 from recovery.reference import train_reference
-from tests.threaded import ThreadedJob, in_threads
+from recovery.runtime import Controller, Phase
+from tests.jobs import drive, in_threads, make
 from tests.workloads import mlp_spec, sgd, tiny_llama
 
 # float32 tolerances of PP x DP against one process (what these tests reach): the only
@@ -21,6 +27,9 @@ from tests.workloads import mlp_spec, sgd, tiny_llama
 LOSS_RTOL = 1e-6
 WEIGHT_TOL = {"rtol": 1e-5, "atol": 2e-6}
 
+# Snapshots are no part of the math (and would only slow the jobs down).
+NO_SNAPSHOTS = RecoveryPolicy(snapshot_every=None)
+
 
 def _assert_states_close(
     a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], **tol: float
@@ -30,6 +39,20 @@ def _assert_states_close(
         torch.testing.assert_close(a[k], b[k], **tol, msg=lambda m, k=k: f"{k}: {m}")
 
 
+def _train(spec: object, top: Topology, steps: int) -> Controller:
+    """A job trained ``steps`` steps without a failure: its losses in ``records``, its final
+    states in ``final_states``."""
+    controller, _ = make(spec, top, policy=NO_SNAPSHOTS, steps=steps)  # type: ignore[arg-type]
+    assert drive(controller) == [Phase.RUNNING] * steps + [Phase.FINISHED]
+    assert not controller.events
+    assert [r.step for r in controller.records] == list(range(steps))
+    return controller
+
+
+def _model(controller: Controller, stage: int, replica: int) -> dict[str, torch.Tensor]:
+    return controller.final_states[(stage, replica)]["model"]  # type: ignore[attr-defined,no-any-return]
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 @pytest.mark.parametrize("stages, replicas", [(4, 2), (2, 3), (1, 2), (3, 1)])
 def test_pipeline_data_parallel_equals_single_process(
@@ -37,60 +60,54 @@ def test_pipeline_data_parallel_equals_single_process(
 ) -> None:
     spec = tiny_llama(schedule=schedule)
     steps = 6
-    job = ThreadedJob(spec, Topology(stages, replicas))
-    try:
-        losses = job.fit(steps)
-        ref = train_reference(spec, stages=stages, replicas=replicas, steps=steps)
-        torch.testing.assert_close(
-            torch.tensor(losses, dtype=torch.float64),
-            torch.tensor(ref.losses, dtype=torch.float64),
-            rtol=LOSS_RTOL,
-            atol=0,
-        )
-        for s in range(stages):
-            for r in range(replicas):
-                _assert_states_close(job.state(s, r), ref.state(s), **WEIGHT_TOL)
-            # replicas of one stage are bit-identical: they applied the same averaged gradient
-            for r in range(1, replicas):
-                for k, v in job.state(s, 0).items():
-                    assert torch.equal(v, job.state(s, r)[k])
-    finally:
-        job.close()
+    job = _train(spec, Topology(stages, replicas), steps)
+    losses = [r.loss for r in job.records]
+    ref = train_reference(spec, stages=stages, replicas=replicas, steps=steps)
+    torch.testing.assert_close(
+        torch.tensor(losses, dtype=torch.float64),
+        torch.tensor(ref.losses, dtype=torch.float64),
+        rtol=LOSS_RTOL,
+        atol=0,
+    )
+    for s in range(stages):
+        for r in range(replicas):
+            _assert_states_close(_model(job, s, r), ref.state(s), **WEIGHT_TOL)
+        # replicas of one stage are bit-identical: they applied the same averaged gradient
+        for r in range(1, replicas):
+            for k, v in _model(job, s, 0).items():
+                assert torch.equal(v, _model(job, s, r)[k])
 
 
 def test_user_defined_spec_trains_like_reference() -> None:
     spec = mlp_spec(make_optimizer=sgd)
-    job = ThreadedJob(spec, Topology(3, 2))
-    try:
-        losses = job.fit(5)
-        ref = train_reference(spec, stages=3, replicas=2, steps=5)
-        torch.testing.assert_close(
-            torch.tensor(losses), torch.tensor(ref.losses), rtol=LOSS_RTOL, atol=0
-        )
-        for s in range(3):
-            _assert_states_close(job.state(s, 1), ref.state(s), rtol=1e-6, atol=1e-7)
-    finally:
-        job.close()
+    job = _train(spec, Topology(3, 2), 5)
+    losses = [r.loss for r in job.records]
+    ref = train_reference(spec, stages=3, replicas=2, steps=5)
+    torch.testing.assert_close(
+        torch.tensor(losses), torch.tensor(ref.losses), rtol=LOSS_RTOL, atol=0
+    )
+    for s in range(3):
+        _assert_states_close(_model(job, s, 1), ref.state(s), rtol=1e-6, atol=1e-7)
 
 
 def test_reformed_generation_continues_identically() -> None:
     """Tearing the process groups down and forming a new generation changes nothing."""
     spec = tiny_llama()
     top = Topology(2, 2)
-    a, b = ThreadedJob(spec, top), ThreadedJob(spec, top)
+    a = _train(spec, top, 4)
+    b, _ = make(spec, top, policy=NO_SNAPSHOTS, steps=4)
     try:
-        a.fit(4)
         for step in range(4):
-            b.step(step)
-            b.reform()
+            assert b.advance() is Phase.RUNNING and b.step == step + 1
+            b.members.form_generation()  # what REFORMING does, here without a failure
         assert b.generation == 4
-        for s in range(2):
-            for r in range(2):
-                for k, v in a.state(s, r).items():
-                    assert torch.equal(v, b.state(s, r)[k])
     finally:
-        a.close()
-        b.close()
+        phases = drive(b)
+    assert phases == [Phase.FINISHED] and not b.events
+    for s in range(2):
+        for r in range(2):
+            for k, v in _model(a, s, r).items():
+                assert torch.equal(v, _model(b, s, r)[k])
 
 
 def test_closing_a_worker_wakes_peers_blocked_on_it() -> None:
