@@ -46,10 +46,19 @@ class RecoveryEvent:
     """For rollbacks: the snapshot tier restored from."""
     detail: str = ""
     """The errors the workers reported, and the plan, for the record."""
+    interruptions: list[str] = field(default_factory=list)
+    """Failures during this recovery, each of which sent it back to planning with more
+    workers lost (``"<phase>: <what failed>"``)."""
     embedding: dict[str, float] | None = None
     """Embedding tables (a restore from a shard mirror): ``rows_exact``, ``rows_stale``,
     ``lost_samples`` (samples whose updates were lost), ``pls_event`` (those over the
     samples trained) and ``pls_job`` (the job's portion of lost samples after this event)."""
+
+    def __post_init__(self) -> None:
+        # Plain strings, not `Strategy`/`Tier` members: an event is data (JSON, and
+        # `torch.load(weights_only=True)` of a saved result must not need our classes).
+        self.strategy = f"{self.strategy}"
+        self.tier = None if self.tier is None else f"{self.tier}"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -6,7 +6,7 @@ import pytest
 
 from parallelism import Topology
 from recovery import Trainer, TrainSpec
-from recovery.runtime import Controller
+from recovery.runtime.membership import Membership
 from tests.workloads import mlp_spec, tiny_llama
 
 
@@ -15,8 +15,9 @@ def no_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("a worker was started for bad input")
 
-    monkeypatch.setattr(Controller, "_start_workers", refuse)
-    monkeypatch.setattr("recovery.runtime.controller.connect", refuse)
+    monkeypatch.setattr(Membership, "start", refuse)
+    monkeypatch.setattr(Membership, "start_job", refuse)
+    monkeypatch.setattr("recovery.runtime.ray_group.connect", refuse)
 
 
 def test_model_with_fewer_blocks_than_stages() -> None:
