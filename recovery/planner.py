@@ -169,7 +169,9 @@ def plan(
         return RecoveryPlan(actions=tuple(actions), resume_step=step, lost=tuple(sorted(lost_set)))
 
     reason = (
-        "a numerical fault makes the live state suspect" if rollback_all else "; ".join(unplanned)
+        "the live state is suspect (a numerical fault, or an interrupted rollback)"
+        if rollback_all
+        else "; ".join(unplanned)
     )
     if not policy.allows(Strategy.ROLLBACK):
         raise RedundancyExhausted(

@@ -127,5 +127,5 @@ def test_a_lost_node_takes_its_workers_and_they_come_back_elsewhere(oracle) -> N
     assert after_running(phases)[: len(RECOVERY)] == RECOVERY
     (event,) = controller.events
     assert sorted(controller.topology.rank(s, r) for s, r in event.lost) == doomed
-    assert victim not in {controller.assignment[r] for r in range(4)}
+    assert victim not in {controller.members.assignment[r] for r in range(4)}
     assert_equal_states(controller.final_states, oracle)  # type: ignore[attr-defined]

@@ -50,7 +50,7 @@ def test_same_seed_is_bit_identical_and_regenerations_change_nothing() -> None:
         assert controller.phase is Phase.RUNNING and controller.generation == 0
         while controller.advance() is Phase.RUNNING:
             if controller.step % 2 == 0:
-                controller.form_generation()
+                controller.members.form_generation()
         assert controller.phase is Phase.FINISHED
         assert controller.generation == 3
         states = controller.states()

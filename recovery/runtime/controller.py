@@ -15,6 +15,18 @@ exactly one transition, which is what tests drive (over a `ThreadWorkerGroup`, n
                         REFORMING: the next generation's process groups --> RESTORING
                         (any phase, no way out) --> FAILED
 
+[Note: re-entrant recovery]
+A worker can die (or a survivor's groups break) while a recovery is under way: while a
+replacement starts, while groups form, while state moves -- the source of a transfer
+included. Every recovery phase reports that as `RecoveryInterrupted` (never a raw
+Ray/Gloo/store error), and `advance` goes back to RECOVERING with the failure's lost set
+grown by the new losses and by every rank the interrupted recovery was rebuilding (their
+new workers hold nothing trustworthy yet). Planning then runs on what really survives,
+exactly as if the failures had been spaced out; survivors' states are untouched by a
+recovery except by a rollback's load, so an interrupted rollback marks the failure
+`suspect` and the next plan rolls everyone back. When the redundancy is gone the planner
+says so (`RedundancyExhausted`), and after `MAX_INTERRUPTIONS` the job gives up.
+
 What each part does lives elsewhere: detection (recovery/runtime/detection.py), injected
 faults (injection.py), placement, spares and generations (membership.py), the redundancy
 that exists (ledger.py), snapshots and checkpoints (persistence.py), the plan's transfers
@@ -33,14 +45,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parallelism.topology import Topology
-from recovery.errors import RecoveryError, RedundancyExhausted, SnapshotCorrupted
+from recovery.errors import (
+    RecoveryError,
+    RecoveryInterrupted,
+    RedundancyExhausted,
+)
 from recovery.events import RecoveryEvent
 from recovery.faults import FailureSchedule
 from recovery.names import Strategy
 from recovery.planner import RecoveryPlan, plan
 from recovery.policy import RecoveryPolicy
 from recovery.runtime.detection import StepOutcome, await_step, failure_of, non_finite
-from recovery.runtime.executor import execute
+from recovery.runtime.executor import execute_or_fall_back
 from recovery.runtime.group import WorkerGroup
 from recovery.runtime.injection import Armed, InjectedFaults, fault_time
 from recovery.runtime.layouts import StateLayout, layout_for
@@ -57,9 +73,12 @@ from recovery.runtime.records import (
 from recovery.spec import TrainSpec
 from recovery.worker import WorkerInfo
 
-__all__ = ["Controller", "ControllerConfig", "Phase"]
+__all__ = ["MAX_INTERRUPTIONS", "Controller", "ControllerConfig", "Phase"]
 
 log = logging.getLogger("checkfree")
+
+MAX_INTERRUPTIONS = 8
+"""Failures during one recovery before the job gives up (see [Note: re-entrant recovery])."""
 
 
 class Phase(enum.Enum):
@@ -71,6 +90,9 @@ class Phase(enum.Enum):
     RESTORING = "restoring"
     FINISHED = "finished"
     FAILED = "failed"
+
+
+_IN_RECOVERY = (Phase.RECOVERING, Phase.REPLACING, Phase.REFORMING, Phase.RESTORING)
 
 
 @dataclass
@@ -99,11 +121,31 @@ class _Recovery:
     lost: set[int]
     alive: dict[int, int]
     assessed: dict[int, dict[str, int]]
+    breakdown: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase (summed over the attempts of an interrupted recovery)."""
     plan: RecoveryPlan = field(init=False)
     """The planner's decision (made once the survivors are known; remade on a fallback)."""
-    breakdown: dict[str, float] = field(default_factory=dict)
     warm: set[int] = field(default_factory=set)
     ring_before: dict[int, int] = field(default_factory=dict)
+
+    def restores_survivors(self) -> bool:
+        """Whether the plan writes to live workers too (a rollback), not only to the lost."""
+        return any(action.rank not in self.lost for action in self.plan.actions)
+
+    def add_time(self, phase: str, since: float) -> None:
+        self.breakdown[phase] = self.breakdown.get(phase, 0.0) + time.perf_counter() - since
+
+
+def _ray_group(layout: StateLayout, config: ControllerConfig) -> WorkerGroup:
+    """The default group: Ray actors (Ray is imported only when it is used)."""
+    from recovery.runtime.ray_group import RayWorkerGroup
+
+    return RayWorkerGroup.connect(
+        layout.worker_cls,
+        threads=config.threads_per_worker,
+        backend=config.backend,
+        options=config.worker_options,
+    )
 
 
 class Controller:
@@ -146,6 +188,7 @@ class Controller:
         self.ledger = RedundancyLedger(topology)
         self._failure: Failure | None = None
         self._recovery: _Recovery | None = None
+        self._carried: dict[str, float] = {}
         self._pending_event: PendingEvent | None = None
         self.tokens_per_step = 0
         self.layout: StateLayout
@@ -164,15 +207,6 @@ class Controller:
         """The process groups' generation (0 from `start`; one more per re-formation)."""
         return self.members.generation if hasattr(self, "members") else -1
 
-    @property
-    def assignment(self) -> dict[int, str]:
-        """Rank -> the node its worker runs on."""
-        return self.members.assignment
-
-    def form_generation(self) -> float:
-        """Re-form every worker's process groups (see `Membership.form_generation`)."""
-        return self.members.form_generation()
-
     # -- startup -------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -187,15 +221,7 @@ class Controller:
         self.tokens_per_step = self.spec.check(self.topology)
         self.layout = layout_for(self.spec, self.topology, self.policy, self.tokens_per_step)
         self.layout.validate(self.config.backend)
-        if self.group is None:
-            from recovery.runtime.ray_group import RayWorkerGroup
-
-            self.group = RayWorkerGroup.connect(
-                self.layout.worker_cls,
-                threads=self.config.threads_per_worker,
-                backend=self.config.backend,
-                options=self.config.worker_options,
-            )
+        self.group = self.group or _ray_group(self.layout, self.config)
         self.members = Membership(
             self.group,
             self.spec,
@@ -265,11 +291,36 @@ class Controller:
                 self._reform()
             elif self.phase is Phase.RESTORING:
                 self._restore()
+        except RecoveryInterrupted as exc:
+            if self.phase in _IN_RECOVERY and self._failure is not None:
+                self._reenter(exc)
+            else:
+                self._give_up(exc)
         except RecoveryError as exc:
-            log.error("%s", exc)
-            self.error = exc
-            self.phase = Phase.FAILED
+            self._give_up(exc)
         return self.phase
+
+    def _give_up(self, exc: RecoveryError) -> None:
+        log.error("%s", exc)
+        self.error = exc
+        self.phase = Phase.FAILED
+
+    def _reenter(self, exc: RecoveryInterrupted) -> None:
+        """A failure during the recovery: plan again with it (see [Note: re-entrant recovery])."""
+        failure, rec = self._failure, self._recovery
+        assert failure is not None
+        if len(failure.interruptions) >= MAX_INTERRUPTIONS:
+            last = f"{self.phase.value}: {exc}"
+            why = f"{MAX_INTERRUPTIONS} failures during the recovery, the last: {last}"
+            self._give_up(RecoveryError(f"{failure.describe(self.topology)}\n{why}"))
+            return
+        restored = rec is not None and self.phase is Phase.RESTORING and rec.restores_survivors()
+        rebuilding = rec.lost if rec is not None else set()
+        failure.interrupt(self.phase.value, exc, rebuilding=rebuilding, survivors_restored=restored)
+        log.warning("recovery interrupted (%s: %s); planning again", self.phase.value, exc)
+        self._carried = rec.breakdown if rec is not None else {}
+        self._recovery = None
+        self.phase = Phase.RECOVERING
 
     # -- one step ------------------------------------------------------------------------
 
@@ -304,10 +355,11 @@ class Controller:
         )
         self.ledger.note_norms(record.grad_norms)
         self.step = step + 1
-        if commits.lost:  # died while applying: the step is committed for everyone else
+        if not commits.ok:  # died while applying: the step is committed for everyone else
             self.records.append(record)
             self.on_step(record)
-            self._fail(self.step, StepOutcome(lost=commits.lost), struck_at, faults)
+            lost = commits.as_lost()  # a worker that broke mid-update is rebuilt, too
+            self._fail(self.step, StepOutcome(lost=lost), struck_at, faults)
             return
         self.faults.spend(faults)
         self.persistence.after_commit(self.step)
@@ -396,7 +448,8 @@ class Controller:
             )
         )
         self.ledger.forget(lost)
-        self._recovery = rec = _Recovery(failure, lost, alive, assessed)
+        self._recovery = rec = _Recovery(failure, lost, alive, assessed, dict(self._carried))
+        self._carried = {}
         rec.plan = self._plan(rec)
         log.info("%s", rec.plan.describe(self.topology))
         self.phase = Phase.REPLACING
@@ -405,7 +458,13 @@ class Controller:
         redundancy = self.layout.redundancy(self.ledger, rec.alive, rec.assessed)
         numerical = rec.failure.numerical
         try:
-            return plan(self.topology, rec.lost, redundancy, self.policy, rollback_all=numerical)
+            return plan(
+                self.topology,
+                rec.lost,
+                redundancy,
+                self.policy,
+                rollback_all=numerical or rec.failure.suspect,
+            )
         except RedundancyExhausted as exc:
             raise RedundancyExhausted(f"{rec.failure.describe(self.topology)}\n{exc}") from None
 
@@ -424,14 +483,16 @@ class Controller:
         rec.warm = self.members.start(placement, spares=not cold, what="start replacement workers")
         if not cold:
             self.members.add_spares(self.policy.hot_spares - self.group.spare_count())
-        rec.breakdown["replace"] = time.perf_counter() - t0
+        rec.add_time("replace", t0)
         self.phase = Phase.REFORMING
 
     def _reform(self) -> None:
         """REFORMING: the next generation's process groups, on a fresh store prefix."""
         assert self._recovery is not None
         self._recovery.ring_before = dict(self.ledger.ring)
-        self._recovery.breakdown["reform"] = self.members.form_generation()
+        t0 = time.perf_counter()
+        self.members.form_generation()
+        self._recovery.add_time("reform", t0)
         self.phase = Phase.RESTORING
 
     def _restore(self) -> None:
@@ -440,21 +501,15 @@ class Controller:
         rec = self._recovery
         t0 = time.perf_counter()
         ctx = self.persistence.restore_context()
-        while True:
-            try:
-                moved = execute(ctx, rec.plan)
-                break
-            except SnapshotCorrupted as exc:  # never load it; fall back to an older snapshot
-                log.warning(
-                    "durable snapshot of step %d is corrupted: %s", rec.plan.resume_step, exc
-                )
-                self.ledger.durable_steps.remove(rec.plan.resume_step)
-                rec.plan = self._plan(rec)
-        moved += self.layout.seed_mirrors(
-            self.group, rec.plan, rec.ring_before, self.ledger.ring, self.policy.timeouts.transfer
-        )
+        rec.plan, moved = execute_or_fall_back(ctx, rec.plan, lambda: self._plan(rec))
+        try:
+            moved += self.layout.seed_mirrors(
+                self.group, rec.plan, rec.ring_before, self.ledger.ring, ctx.timeout
+            )
+        except RecoveryInterrupted as exc:  # half-seeded mirrors: no plan may trust them
+            raise RecoveryError(f"could not re-seed the shard mirrors: {exc}") from None
         embedding = self.layout.account(rec.plan, rec.alive, rec.assessed)
-        rec.breakdown["transfer"] = time.perf_counter() - t0
+        rec.add_time("transfer", t0)
         event = recovery_event(
             self.topology,
             rec.failure,
@@ -491,14 +546,7 @@ class Controller:
             RecoveryError: if a worker is lost while its state is read.
         """
         assert self.group is not None
-        self.layout.before_states(self.group, self.policy.timeouts.transfer)
-        got = self.group.call("state", timeout=self.policy.timeouts.transfer)
-        if got.lost:
-            raise RecoveryError(got.describe("collect states"))
-        return {
-            (self.topology.worker(rank).stage, self.topology.worker(rank).replica): state
-            for rank, state in got.results.items()
-        }
+        return self.layout.states(self.group, self.policy.timeouts.transfer)
 
     def mirror_costs(self) -> dict[str, float]:
         """What the layout's redundancy costs per worker (embedding mirrors); empty: nothing."""

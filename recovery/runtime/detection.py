@@ -18,15 +18,16 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
-from recovery.runtime.group import Call, WorkerGroup, WorkerLost, seconds
+from recovery.runtime.group import Call, CallResults, WorkerGroup, WorkerLost, seconds
 from recovery.runtime.records import Failure
 from recovery.worker import StepReport
 
-__all__ = ["PROBE_TIMEOUT", "StepOutcome", "await_step", "failure_of", "non_finite"]
+__all__ = ["PROBE_TIMEOUT", "StepOutcome", "await_step", "failure_of", "non_finite", "settle"]
 
 log = logging.getLogger("checkfree")
 
@@ -63,7 +64,7 @@ def await_step(
     Raises:
         Exception: the original error of a worker whose own code raised.
     """
-    pending = _wait_or_abort(group, calls, hang_timeout)
+    pending = _wait_or_abort(group, calls, hang_timeout, _succeeded, _abort_pending(group))
     hung: set[int] = set()
     if pending:
         silent = [rank for rank, call in calls.items() if call in pending]
@@ -80,40 +81,79 @@ def await_step(
         hung |= late  # still silent after the cascade: give up on them too
         group.kill(late)
     gathered = group.gather(dict(calls), timedelta(seconds=10))
-    return StepOutcome(reports=gathered.results, lost=gathered.lost, hung=hung)
+    reports = dict(gathered.results)
+    for rank, (_, error) in gathered.broken.items():  # a survivor whose groups broke
+        reports[rank] = StepReport(rank=rank, step=-1, ok=False, error=error)
+    return StepOutcome(reports=reports, lost=gathered.lost, hung=hung)
+
+
+def settle(
+    group: WorkerGroup,
+    calls: Mapping[Any, Call],
+    timeout: timedelta | float,
+    *,
+    on_failure: Callable[[list[Call]], None] | None = None,
+) -> CallResults:
+    """Wait for ``calls`` that depend on each other (transfers, group formation); at the
+    first one that fails, run ``on_failure`` on those still pending (default: tell their
+    workers to abort) so that nobody waits on a peer that will never answer.
+
+    Raises:
+        Exception: the original error of a worker whose own code raised (not a
+            communication error, see `WorkerGroup.gather`).
+    """
+    _wait_or_abort(group, calls, timeout, _returned, on_failure or _abort_pending(group))
+    return group.gather(calls, timeout=0)
 
 
 def _wait_or_abort(
-    group: WorkerGroup, calls: Mapping[int, Call], timeout: timedelta | float
+    group: WorkerGroup,
+    calls: Mapping[Any, Call],
+    timeout: timedelta | float,
+    succeeded: Callable[[WorkerGroup, Call], bool],
+    on_failure: Callable[[list[Call]], None],
 ) -> list[Call]:
-    """Wait for every call; at the first sign of failure, tell the rest to abort the step.
+    """Wait for every call; at the first sign of failure, run ``on_failure`` on the rest.
 
-    Without the abort, a survivor that is not connected to the dead worker would only
-    notice when the failure reaches it through the schedule -- e.g. a whole healthy
-    pipeline computing on until the gradient all-reduce. Returns the calls not finished.
+    For a step, that tells the rest to abort it: without the abort, a survivor that is not
+    connected to the dead worker would only notice when the failure reaches it through
+    the schedule -- e.g. a whole healthy pipeline computing on until the gradient
+    all-reduce. Returns the calls not finished.
     """
-    waiting = dict(calls)
+    waiting = list(calls.values())
     deadline = time.monotonic() + seconds(timeout)
-    aborted = False
+    failed = False
     while waiting:
-        finished, _ = group.wait(
-            list(waiting.values()), max(0.0, deadline - time.monotonic()), first=True
-        )
+        finished, waiting = group.wait(waiting, max(0.0, deadline - time.monotonic()), first=True)
         if not finished:
             break
-        for rank in [r for r, call in waiting.items() if call in finished]:
-            call = waiting.pop(rank)
-            if not aborted and not _succeeded(group, call):
-                aborted = True
-                for other in waiting:
-                    group.submit(other, "abort")
-    return list(waiting.values())
+        if not failed and not all(succeeded(group, call) for call in finished):
+            failed = True
+            on_failure(waiting)
+    return waiting
+
+
+def _abort_pending(group: WorkerGroup) -> Callable[[list[Call]], None]:
+    def abort(pending: list[Call]) -> None:
+        for rank in dict.fromkeys(call.rank for call in pending):
+            group.submit(rank, "abort")
+
+    return abort
 
 
 def _succeeded(group: WorkerGroup, call: Call) -> bool:
     """Whether a finished step call returned a successful report."""
     try:
         return bool(group.result(call).ok)
+    except Exception:
+        return False
+
+
+def _returned(group: WorkerGroup, call: Call) -> bool:
+    """Whether a finished call returned (rather than raised or lost its worker)."""
+    try:
+        group.result(call)
+        return True
     except Exception:
         return False
 

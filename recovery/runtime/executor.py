@@ -10,22 +10,26 @@ The executor decides nothing: what moves where is the planner's.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from parallelism.topology import Topology
-from recovery.errors import RecoveryError
+from recovery.errors import SnapshotCorrupted
 from recovery.names import Strategy, Tier
 from recovery.planner import RecoveryAction, RecoveryPlan
 from recovery.policy import RecoveryPolicy
-from recovery.runtime.group import Call, WorkerGroup
+from recovery.runtime.detection import settle
+from recovery.runtime.group import Call, WorkerGroup, require
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.snapshots import DurableStore
 from recovery.spec import TrainSpec
 
-__all__ = ["Restore", "execute"]
+__all__ = ["Restore", "execute", "execute_or_fall_back"]
+
+log = logging.getLogger("checkfree")
 
 Transfers = dict[tuple[int, str], Call]
 """(rank, what) -> the call: ``send*`` and ``named*`` calls return bytes sent, ``copy``
@@ -104,10 +108,8 @@ PER_ACTION: dict[Strategy, Callable[[Restore, Sequence[RecoveryAction], int], Tr
 
 
 def _gather(ctx: Restore, calls: Transfers, what: str) -> dict[tuple[int, str], Any]:
-    got = ctx.group.gather(calls, ctx.timeout)
-    if got.lost:
-        raise RecoveryError(got.describe(what))
-    return dict(got.results)
+    """Wait for a plan's transfers; the first to fail aborts the rest (see `settle`)."""
+    return dict(require(settle(ctx.group, calls, ctx.timeout), what).results)
 
 
 def _sent(results: dict[tuple[int, str], Any]) -> int:
@@ -122,8 +124,7 @@ def _rollback(ctx: Restore, plan: RecoveryPlan) -> int:
         loaded = ctx.group.call(
             "durable_load", args=lambda rank: (ctx.snapshot_dir, step), timeout=ctx.timeout
         )
-        if loaded.lost:
-            raise RecoveryError(loaded.describe(f"load the durable snapshot of step {step}"))
+        require(loaded, f"load the durable snapshot of step {step}")
     else:
         calls: Transfers = {}
         for action in plan.actions:
@@ -152,8 +153,7 @@ def _restart(ctx: Restore, plan: RecoveryPlan) -> int:
             args=lambda rank: (ctx.checkpoint_dir, plan.resume_step),
             timeout=ctx.timeout,
         )
-        if loaded.lost:
-            raise RecoveryError(loaded.describe(f"load the checkpoint of step {plan.resume_step}"))
+        require(loaded, f"load the checkpoint of step {plan.resume_step}")
     return 0
 
 
@@ -164,11 +164,31 @@ WHOLE_PLAN: dict[Strategy, Callable[[Restore, RecoveryPlan], int]] = {
 """The strategies that restore every worker."""
 
 
+def execute_or_fall_back(
+    ctx: Restore, plan: RecoveryPlan, replan: Callable[[], RecoveryPlan]
+) -> tuple[RecoveryPlan, int]:
+    """`execute` ``plan``; if the durable snapshot it loads is corrupted, book that snapshot
+    as gone and carry out ``replan()`` instead (an older snapshot). Returns the plan carried
+    out and the bytes moved.
+
+    Raises:
+        RecoveryInterrupted: naming the workers lost or broken while transferring.
+        RedundancyExhausted: from ``replan``, when no intact snapshot is left.
+    """
+    while True:
+        try:
+            return plan, execute(ctx, plan)
+        except SnapshotCorrupted as exc:  # never load it; fall back to an older snapshot
+            log.warning("durable snapshot of step %d is corrupted: %s", plan.resume_step, exc)
+            ctx.ledger.durable_steps.remove(plan.resume_step)
+            plan = replan()
+
+
 def execute(ctx: Restore, plan: RecoveryPlan) -> int:
     """Carry out ``plan``'s state movements. Returns the bytes moved.
 
     Raises:
-        RecoveryError: naming the workers lost while transferring.
+        RecoveryInterrupted: naming the workers lost or broken while transferring.
         SnapshotCorrupted: if a durable snapshot chosen by the plan fails its checksums
             (nothing was loaded from it).
     """

@@ -11,8 +11,11 @@ Every call is asynchronous: `submit` returns a `Call` handle at once, `wait` blo
 set of them with a deadline, and `result` reads one. A worker that died, or did not answer
 in time, gives a `WorkerLost` -- the one failure the runtime recovers from. An exception
 raised by user code inside a worker (a bug in the model, a bad batch) is re-raised as
-itself by `result`: recovery cannot fix a bug, so it stops the job. `call` is the common
-case built on the three: one method on many workers, results and losses apart. Control
+itself by `result`: recovery cannot fix a bug, so it stops the job. `gather` and `call`
+are the common case built on the three: results, losses and *broken* calls apart -- a
+call whose worker is alive but raised a communication error (a peer died under it, see
+`recovery.worker.is_comm_error`): its process groups are unusable, its state is not.
+`require` turns losses and broken calls into `RecoveryInterrupted`. Control
 methods (``probe``, ``abort``) run on a separate thread of the worker, so they are
 answered while the worker is busy in, or stuck in, a step.
 """
@@ -25,9 +28,18 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from recovery.worker import WorkerInfo
+from recovery.errors import RecoveryInterrupted
+from recovery.worker import WorkerInfo, is_comm_error
 
-__all__ = ["CONTROL_METHODS", "Call", "CallResults", "WorkerGroup", "WorkerLost", "seconds"]
+__all__ = [
+    "CONTROL_METHODS",
+    "Call",
+    "CallResults",
+    "WorkerGroup",
+    "WorkerLost",
+    "require",
+    "seconds",
+]
 
 CONTROL_METHODS = frozenset({"probe", "abort"})
 """Methods answered on a worker's control thread (see [Note: calls and failures])."""
@@ -62,11 +74,38 @@ class CallResults:
 
     results: dict[Any, Any] = field(default_factory=dict)
     lost: dict[Any, WorkerLost] = field(default_factory=dict)
+    broken: dict[Any, tuple[int, str]] = field(default_factory=dict)
+    """Calls whose (live) worker raised a communication error: key -> (rank, error)."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.lost and not self.broken
+
+    def as_lost(self) -> dict[Any, WorkerLost]:
+        """The lost calls and the broken ones, all as losses (to rebuild them all)."""
+        broken = {k: WorkerLost(rank, f"broke: {text}") for k, (rank, text) in self.broken.items()}
+        return {**self.lost, **broken}
 
     def describe(self, what: str) -> str:
         """``could not <what>: rank 3: ...; rank 5: ...``."""
-        detail = "; ".join(f"{e}" for _, e in sorted(self.lost.items()))
-        return f"could not {what}: {detail}"
+        errors = [str(e) for _, e in sorted(self.lost.items(), key=lambda kv: str(kv[0]))]
+        errors += [f"rank {rank}: {text}" for rank, text in self.broken.values()]
+        return f"could not {what}: {'; '.join(errors)}"
+
+
+def require(got: CallResults, what: str) -> CallResults:
+    """``got`` if every call succeeded.
+
+    Raises:
+        RecoveryInterrupted: naming ``what`` and the ranks lost or broken meanwhile.
+    """
+    if got.ok:
+        return got
+    raise RecoveryInterrupted(
+        got.describe(what),
+        lost={e.rank for e in got.lost.values()},
+        broken={rank for rank, _ in got.broken.values()},
+    )
 
 
 class WorkerGroup(abc.ABC):
@@ -171,7 +210,8 @@ class WorkerGroup(abc.ABC):
         """Wait for ``calls`` (keyed as the caller likes) and read them all.
 
         Raises:
-            Exception: the original error of a worker whose own code raised.
+            Exception: the original error of a worker whose own code raised (other than a
+                communication error, which lands in ``broken``).
         """
         self.wait(list(calls.values()), timeout)
         out = CallResults()
@@ -180,6 +220,14 @@ class WorkerGroup(abc.ABC):
                 out.results[key] = self.result(call)
             except WorkerLost as exc:
                 out.lost[key] = exc
+            except Exception as exc:
+                if not is_comm_error(exc):
+                    raise
+                first = str(exc).strip().splitlines()
+                out.broken[key] = (
+                    call.rank,
+                    f"{type(exc).__name__}: {first[0][:300] if first else ''}",
+                )
         return out
 
     def call(

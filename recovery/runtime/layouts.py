@@ -17,11 +17,10 @@ from datetime import timedelta
 from typing import Any
 
 from parallelism.topology import Topology
-from recovery.errors import RecoveryError
 from recovery.names import Strategy
 from recovery.planner import RecoveryPlan, Redundancy
 from recovery.policy import RecoveryPolicy
-from recovery.runtime.group import WorkerGroup
+from recovery.runtime.group import WorkerGroup, require
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.spec import TrainSpec
 from recovery.strategies.pls import PLSLedger
@@ -118,6 +117,19 @@ class StateLayout:
         """Book a finished recovery (partial restores); what the event reports, if any."""
         return None
 
+    def states(self, group: WorkerGroup, timeout: timedelta) -> dict[tuple[int, int], Any]:
+        """Every worker's state, keyed by (stage, replica), made current first.
+
+        Raises:
+            RecoveryInterrupted: if a worker is lost while its state is read.
+        """
+        self.before_states(group, timeout)
+        got = require(group.call("state", timeout=timeout), "collect states")
+        return {
+            (self.topology.worker(rank).stage, self.topology.worker(rank).replica): state
+            for rank, state in got.results.items()
+        }
+
     def before_states(self, group: WorkerGroup, timeout: timedelta) -> None:
         """Make every worker's state current before it is read out (end of a job)."""
 
@@ -154,8 +166,7 @@ class StateLayout:
         sent = group.call(
             "seed_mirror", ranks, (lambda r: flags[r]) if targeted else None, timeout=timeout
         )
-        if sent.lost:
-            raise RecoveryError(sent.describe("seed the shard mirrors"))
+        require(sent, "seed the shard mirrors")
         return sum(int(v) for v in sent.results.values())
 
 
@@ -204,8 +215,7 @@ class Zero1Shards(StateLayout):
     def before_states(self, group: WorkerGroup, timeout: timedelta) -> None:
         # The parameters a replica does not own are a step behind until the next sync.
         synced = group.call("sync_params", timeout=timeout)
-        if synced.lost:
-            raise RecoveryError(synced.describe("sync parameters"))
+        require(synced, "sync parameters")
 
 
 class ShardedTables(StateLayout):
@@ -304,8 +314,7 @@ class ShardedTables(StateLayout):
 
     def costs(self, group: WorkerGroup, timeout: timedelta) -> dict[str, float]:
         got = group.call("mirror_costs", timeout=timeout)
-        if got.lost:
-            raise RecoveryError(got.describe("collect mirror costs"))
+        require(got, "collect mirror costs")
         costs = list(got.results.values())
         if not costs:
             return {}

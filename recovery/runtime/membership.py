@@ -16,10 +16,10 @@ from typing import Any
 
 from parallelism.comm import Rendezvous, host_store
 from parallelism.topology import Topology
-from recovery.errors import RecoveryError
 from recovery.placement import place, replacement_node
 from recovery.policy import RecoveryPolicy
-from recovery.runtime.group import WorkerGroup, seconds
+from recovery.runtime.detection import settle
+from recovery.runtime.group import WorkerGroup, require, seconds
 from recovery.runtime.layouts import StateLayout
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.snapshots import buddies
@@ -59,7 +59,8 @@ class Membership:
         self.ledger = ledger
         self.host = host
         self.backend = backend
-        self.store: Any = host_store(host)
+        self.store: Any = None
+        """The current generation's store (workers leave fault times in it)."""
         self.generation = -1
         self.job_nodes = group.nodes()
         self.lost_nodes: set[str] = set()
@@ -126,8 +127,7 @@ class Membership:
         started, warm = self.group.start(
             placement, timeout=self.policy.timeouts.start, spares=spares, parked=parked
         )
-        if started.lost:
-            raise RecoveryError(started.describe(what))
+        require(started, what)
         for rank, info in started.results.items():
             self.assignment[rank] = info.node_id or placement[rank]
             self.hosts[rank] = info.host
@@ -137,8 +137,7 @@ class Membership:
             lambda rank: self.layout.setup_args(rank, self.backend),
             timeout=self.policy.timeouts.start,
         )
-        if built.lost:
-            raise RecoveryError(built.describe("build stages"))
+        require(built, "build stages")
         return warm
 
     def add_spares(self, count: int) -> None:
@@ -152,38 +151,46 @@ class Membership:
     def form_generation(self) -> float:
         """Tear down the current process groups everywhere and form the next generation.
 
-        Returns the seconds it took. Every generation meets on a fresh key prefix of the
-        controller's store, so nothing from an older generation is ever read again.
+        Returns the seconds it took. Every generation meets on a store of its own, hosted
+        here, so nothing from an older generation is ever read again -- and so that a
+        formation that cannot complete (a worker died before joining) is cut short: the
+        store is dropped at the first failure, which fails every join still waiting on it
+        at once instead of after the join timeout.
 
         Raises:
-            RecoveryError: if a worker does not join in time.
+            RecoveryInterrupted: naming the workers lost or broken while joining.
         """
         start = time.perf_counter()
         self.generation += 1
         timeout = self.policy.timeouts.join
-        rendezvous = Rendezvous(
-            self.host, self.store.port, f"gen{self.generation}", seconds(timeout)
-        )
+        store: Any = host_store(self.host)
+        rendezvous = Rendezvous(self.host, store.port, f"gen{self.generation}", seconds(timeout))
         peer = bool(self.policy.snapshots.peer_every) and self.topology.world_size > 1
         mirrors = self.layout.mirrors_on_ring and self.topology.world_size > 1
         ring = buddies(self.topology, self.assignment) if peer or mirrors else {}
         self.ledger.ring = ring
         wards = {buddy: ward for ward, buddy in ring.items()}
-        joined = self.group.call(
-            "join",
-            range(self.topology.world_size),
-            lambda rank: (
+        calls = {
+            rank: self.group.submit(
+                rank,
+                "join",
                 self.generation,
                 rendezvous,
                 self.hosts.get(rank, "127.0.0.1"),
                 peer,
                 ring.get(rank),
                 wards.get(rank),
-            ),
-            timeout=seconds(timeout) + 10,
-        )
-        if joined.lost:
-            raise RecoveryError(joined.describe(f"form generation {self.generation}"))
+            )
+            for rank in range(self.topology.world_size)
+        }
+
+        def drop_store(pending: object) -> None:
+            nonlocal store
+            store = None
+
+        joined = settle(self.group, calls, seconds(timeout) + 10, on_failure=drop_store)
+        require(joined, f"form generation {self.generation}")
+        self.store = store
         return time.perf_counter() - start
 
     def close(self) -> None:

@@ -19,7 +19,7 @@ from recovery.errors import RecoveryError, SnapshotCorrupted
 from recovery.names import Mode
 from recovery.policy import RecoveryPolicy
 from recovery.runtime.executor import Restore
-from recovery.runtime.group import WorkerGroup
+from recovery.runtime.group import WorkerGroup, require
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.snapshots import DurableStore
 from recovery.spec import TrainSpec
@@ -95,8 +95,7 @@ class Persistence:
 
     def _all(self, method: str, what: str, *args: Any, timeout: Any) -> dict[int, Any]:
         got = self.group.call(method, args=lambda rank: args, timeout=timeout)
-        if got.lost:
-            raise RecoveryError(got.describe(what))
+        require(got, what)
         return got.results
 
     # -- durable tier --------------------------------------------------------------------

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parallelism.topology import Topology
+from recovery.errors import RecoveryInterrupted
 from recovery.events import RecoveryEvent
 from recovery.planner import RecoveryPlan
 from recovery.worker import StepReport
@@ -77,6 +78,25 @@ class Failure:
     generation: int
     numerical: bool = False
     """A non-finite loss or gradient norm: the live state itself is suspect."""
+    suspect: bool = False
+    """An interrupted restore overwrote part of some survivors' live state: roll back."""
+    interruptions: list[str] = field(default_factory=list)
+    """What went wrong during the recovery so far (see [Note: re-entrant recovery])."""
+
+    def interrupt(
+        self,
+        phase: str,
+        error: RecoveryInterrupted,
+        *,
+        rebuilding: set[int],
+        survivors_restored: bool,
+    ) -> None:
+        """A failure during the recovery: ``error``'s losses and every rank the recovery was
+        rebuilding are lost now; survivors a restore wrote to make the state suspect."""
+        self.lost |= error.lost | rebuilding
+        self.errors.update({r: f"during recovery: {error}" for r in error.lost | error.broken})
+        self.suspect |= survivors_restored
+        self.interruptions.append(f"{phase}: {error}")
 
     def describe(self, topology: Topology) -> str:
         lines = [f"step {self.step} failed in generation {self.generation} ({self.cause}):"]
@@ -140,5 +160,6 @@ def recovery_event(
         tier=plan.tier,
         breakdown={"detect": max(0.0, failure.detected_at - failure.struck_at), **breakdown},
         detail=failure.describe(topology) + "\n" + plan.describe(topology),
+        interruptions=list(failure.interruptions),
         embedding=embedding,
     )

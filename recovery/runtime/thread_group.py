@@ -8,9 +8,11 @@ simulated. That makes every controller transition testable in milliseconds.
 What a process death is here: an injected `Kill` raises `_ThreadKilled` inside the worker
 (instead of SIGKILL), and `kill()` marks the worker dead; either way its process groups
 are torn down at once, so its peers see the same "connection reset" a real death gives
-them, and every call on it from then on is a `WorkerLost`. An injected hang blocks until
-the worker is killed. Nodes are names (``"node-0"``, ...); `remove_node` loses one with
-every worker on it.
+them, and every call on it -- a call in flight included, as with a dead Ray actor -- is a
+`WorkerLost`. An injected hang blocks until the worker is killed. Nodes are names
+(``"node-0"``, ...); `remove_node` loses one with every worker on it. `chaos` kills
+workers from outside, at points the controller does not know about (tests of failures
+during a recovery).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -112,6 +115,10 @@ class ThreadWorkerGroup(WorkerGroup):
         self._warming: dict[int, Future[Any]] = {}
         self.started = 0
         """Workers created so far (spares included): what a test counts to see reuse."""
+        self.chaos: Callable[[int, str], float | None] | None = None
+        """An outside killer: called with (rank, method) as each call starts; a number
+        kills that worker so many seconds later, from another thread, without telling the
+        controller (it finds out as it would from a real death)."""
 
     def _new(self, node: str) -> _Worker:
         self.started += 1
@@ -231,6 +238,9 @@ class ThreadWorkerGroup(WorkerGroup):
     def _run(self, worker: _Worker, method: str, args: tuple[Any, ...]) -> Any:
         if worker.dead.is_set():
             raise _ThreadKilled
+        delay = self.chaos(self._rank_of(worker), method) if self.chaos is not None else None
+        if delay is not None:
+            threading.Timer(delay, self._kill, (worker,)).start()
         try:
             if method in _SEEDING:
                 with _SEEDING_LOCK:
@@ -248,6 +258,9 @@ class ThreadWorkerGroup(WorkerGroup):
             raise _ThreadKilled
         return out
 
+    def _rank_of(self, worker: _Worker) -> int:
+        return next((r for r, w in self._workers.items() if w is worker), -1)
+
     def submit(self, rank: int, method: str, *args: Any) -> Call:
         worker = self._workers.get(rank)
         if worker is None or worker.dead.is_set():
@@ -258,18 +271,31 @@ class ThreadWorkerGroup(WorkerGroup):
     def wait(
         self, calls: Sequence[Call], timeout: timedelta | float, *, first: bool = False
     ) -> tuple[list[Call], list[Call]]:
-        futures = [c.handle[1] for c in calls if not isinstance(c.handle, WorkerLost)]
-        if futures and not (first and len(futures) < len(calls)):
-            when = "FIRST_COMPLETED" if first else "ALL_COMPLETED"
-            wait_futures(futures, timeout=max(0.0, seconds(timeout)), return_when=when)
-        finished = [c for c in calls if isinstance(c.handle, WorkerLost) or c.handle[1].done()]
-        return finished, [c for c in calls if c not in finished]
+        deadline = time.monotonic() + max(0.0, seconds(timeout))
+        when = "FIRST_COMPLETED" if first else "ALL_COMPLETED"
+        while True:
+            finished = [c for c in calls if self._finished(c)]
+            left = deadline - time.monotonic()
+            if len(finished) == len(calls) or (first and finished) or left <= 0:
+                return finished, [c for c in calls if c not in finished]
+            # A death does not complete a future: look at the dead flags every few ms.
+            futures = [c.handle[1] for c in calls if c not in finished]
+            wait_futures(futures, timeout=min(left, 0.02), return_when=when)
+
+    @staticmethod
+    def _finished(call: Call) -> bool:
+        if isinstance(call.handle, WorkerLost):
+            return True
+        worker, future = call.handle
+        return bool(future.done() or (worker.dead.is_set() and call.method not in CONTROL_METHODS))
 
     def result(self, call: Call) -> Any:
         if isinstance(call.handle, WorkerLost):
             raise call.handle
-        _, future = call.handle
+        worker, future = call.handle
         if not future.done():
+            if worker.dead.is_set():
+                raise WorkerLost(call.rank, f"the worker died during {call.method}")
             raise WorkerLost(call.rank, f"{call.method} did not answer in time")
         error = future.exception()
         if isinstance(error, _ThreadKilled):

@@ -1,0 +1,145 @@
+"""Failures during a recovery: the recovery plans again and the job ends exact.
+
+[Note: re-entrant recovery] in recovery/runtime/controller.py. Each test kills one worker
+with the library's `FailureSchedule` and a second one from outside (the thread group's
+`chaos`, which the controller knows nothing about) while the first recovery is in one of
+its phases: a replacement starting, a survivor joining the next generation, the source
+or the target of a state transfer, a rollback loading. The oracle is the run that never
+failed, bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from parallelism import Topology
+from recovery import Kill, RecoveryError, RecoveryPolicy
+from recovery.runtime import Controller, Phase, ThreadWorkerGroup
+from recovery.runtime.controller import MAX_INTERRUPTIONS
+from tests.jobs import drive, make
+from tests.test_controller import assert_equal_states
+from tests.workloads import mlp_spec
+
+TOP = Topology(2, 3)
+FIRST = Kill(step=2, stage=1, replica=0)
+
+
+@pytest.fixture(scope="module")
+def oracle() -> dict[tuple[int, int], dict[str, torch.Tensor]]:
+    controller, _ = make(mlp_spec(), TOP)
+    drive(controller)
+    return controller.final_states  # type: ignore[attr-defined,no-any-return]
+
+
+def once(rank: int, method: str, delay: float = 0.0) -> Callable[[int, str], float | None]:
+    """A chaos rule: kill ``rank`` ``delay`` s after its first ``method`` call starts."""
+    fired = []
+
+    def rule(r: int, m: str) -> float | None:
+        if r == rank and m == method and not fired:
+            fired.append(m)
+            return delay
+        return None
+
+    return rule
+
+
+def run(
+    chaos: Callable[[int, str], float | None], policy: RecoveryPolicy | None = None
+) -> tuple[Controller, ThreadWorkerGroup]:
+    controller, group = make(mlp_spec(), TOP, FIRST, policy=policy, nodes=3)
+    group.chaos = chaos
+    drive(controller)
+    return controller, group
+
+
+LOST = TOP.rank(1, 0)
+SURVIVOR = TOP.rank(0, 1)  # a survivor of another stage
+SOURCE = TOP.rank(1, 1)  # the planner's source for (1, 0): the lowest live replica
+
+
+@pytest.mark.parametrize(
+    ("victim", "method", "phase"),
+    [
+        (LOST, "setup", "replacing"),  # the replacement dies while it is built
+        (SURVIVOR, "join", "reforming"),  # a survivor dies while the groups form
+        (SOURCE, "send_state", "restoring"),  # the source of the transfer dies
+        (LOST, "recv_state", "restoring"),  # the target dies while receiving
+    ],
+    ids=["replacement", "joining-survivor", "transfer-source", "transfer-target"],
+)
+def test_a_death_in_each_recovery_phase_is_recovered_exactly(
+    oracle, victim: int, method: str, phase: str
+) -> None:  # type: ignore[no-untyped-def]
+    controller, _ = run(once(victim, method, delay=0.0))
+    assert controller.phase is Phase.FINISHED, controller.error
+    (event,) = controller.events
+    assert [note.split(":")[0] for note in event.interruptions] == [phase]
+    assert TOP.worker(victim) in {TOP.worker(TOP.rank(s, r)) for s, r in event.lost}
+    assert event.strategy == "replica_copy"
+    assert_equal_states(controller.final_states, oracle)  # type: ignore[attr-defined]
+
+
+def test_the_source_dying_in_the_middle_of_sending_is_recovered_exactly(oracle) -> None:  # type: ignore[no-untyped-def]
+    """Killed 1 ms into the send, from another thread: the target's receive breaks."""
+    controller, _ = run(once(SOURCE, "send_state", delay=0.001))
+    assert controller.phase is Phase.FINISHED, controller.error
+    assert len(controller.events) == 1, [e.detail for e in controller.events]
+    (event,) = controller.events
+    assert len(event.interruptions) <= 1  # the send may finish first: then nothing to redo
+    assert_equal_states(controller.final_states, oracle)  # type: ignore[attr-defined]
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    victim=st.sampled_from(sorted(set(range(TOP.world_size)) - {LOST})),
+    method=st.sampled_from(["setup", "join", "send_state", "recv_state", "prepare_recovery"]),
+)
+def test_any_second_death_during_the_recovery_ends_exact(oracle, victim: int, method: str) -> None:  # type: ignore[no-untyped-def]
+    """Whoever dies, in whichever recovery call: as long as a replica of every stage is
+    left, the job ends bit-identical to one that never failed."""
+    controller, _ = run(once(victim, method))
+    assert controller.phase is Phase.FINISHED, controller.error
+    assert_equal_states(controller.final_states, oracle)  # type: ignore[attr-defined]
+
+
+def test_an_interrupted_rollback_is_planned_again_and_ends_exact() -> None:
+    """Both replicas of stage 0 lost: everyone rolls back to the peer snapshot of step 2;
+    the replacement for (0,0) dies while it receives its snapshot from its buddy."""
+    top, steps = Topology(2, 2), 5
+    clean, _ = make(mlp_spec(), top)
+    drive(clean)
+    controller, group = make(
+        mlp_spec(),
+        top,
+        Kill(step=3, stage=0, replica=0),
+        Kill(step=3, stage=0, replica=1),
+        policy=RecoveryPolicy(snapshot_every=2),
+    )
+    group.chaos = once(top.rank(0, 0), "recv_snapshot")
+    drive(controller)
+    assert controller.phase is Phase.FINISHED, controller.error
+    (event,) = controller.events
+    assert event.strategy == "rollback" and event.tier == "peer"
+    assert [note.split(":")[0] for note in event.interruptions] == ["restoring"]
+    assert len(controller.records) == steps + event.lost_steps
+    assert_equal_states(controller.final_states, clean.final_states)  # type: ignore[attr-defined]
+
+
+def test_a_recovery_that_keeps_failing_gives_up_with_a_recovery_error() -> None:
+    """Every replacement dies while it is built: after MAX_INTERRUPTIONS, a RecoveryError
+    that names the phase and the failure -- never a raw Ray/Gloo/store error."""
+    controller, _ = run(lambda rank, method: 0.0 if method == "setup" else None)
+    assert controller.phase is Phase.FAILED
+    assert isinstance(controller.error, RecoveryError)
+    assert f"{MAX_INTERRUPTIONS} failures during the recovery" in str(controller.error)
+    assert "replacing" in str(controller.error)
