@@ -241,6 +241,9 @@ class StageComm:
         timeout = datetime.timedelta(seconds=rendezvous.timeout_s)
         base = dist.TCPStore(rendezvous.host, rendezvous.port, None, False, timeout)
         self._store: dist.Store | None = dist.PrefixStore(rendezvous.prefix, base)
+        # Connected: from now on, dropping the generation's store fails our waits at once
+        # (the controller waits for this key before it drops a formation that cannot finish).
+        self._store.set(f"joined/{rank}", "1")
         before = _socket_inodes()
         world_store = dist.PrefixStore("world", self._store)
         self._world: _Group | None = _make_group(

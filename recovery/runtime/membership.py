@@ -14,12 +14,14 @@ import time
 from collections.abc import Collection
 from typing import Any
 
+import torch.distributed as dist
+
 from parallelism.comm import Rendezvous, host_store
 from parallelism.topology import Topology
 from recovery.placement import place, replacement_node
 from recovery.policy import RecoveryPolicy
 from recovery.runtime.detection import settle
-from recovery.runtime.group import WorkerGroup, require, seconds
+from recovery.runtime.group import Call, WorkerGroup, require, seconds
 from recovery.runtime.layouts import StateLayout
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.snapshots import buddies
@@ -27,6 +29,9 @@ from recovery.spec import TrainSpec
 from recovery.worker import StepReport
 
 __all__ = ["Membership"]
+
+_CONNECT_GRACE_S = 5.0
+"""How long an abandoned formation waits for live joiners to reach its store."""
 
 log = logging.getLogger("checkfree")
 
@@ -184,8 +189,16 @@ class Membership:
             for rank in range(self.topology.world_size)
         }
 
-        def drop_store(pending: object) -> None:
+        def drop_store(pending: list[Call]) -> None:
+            # A join not yet connected to the store would retry connecting until its
+            # timeout: let the live joiners connect (a few ms) before dropping it.
             nonlocal store
+            joined = dist.PrefixStore(rendezvous.prefix, store)
+            keys = [f"joined/{call.rank}" for call in pending]
+            grace = time.monotonic() + _CONNECT_GRACE_S
+            while time.monotonic() < grace and not joined.check(keys):
+                time.sleep(0.01)
+            del joined
             store = None
 
         joined = settle(self.group, calls, seconds(timeout) + 10, on_failure=drop_store)
