@@ -1,0 +1,182 @@
+"""The snapshots one worker holds: its own and its ward's peer copies, the background
+exchange that swaps them with its buddy, and its durable writes in flight.
+
+`SnapshotKeeper` knows nothing of the worker that owns it: the module, optimizer and
+process groups come in as arguments, so each of the worker's snapshot calls
+(`recovery.worker.snapshots`) is a line or two over it. The tiers themselves -- packing,
+the peer store, the checksummed durable store -- are `recovery.snapshots`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+
+import torch
+
+from parallelism.comm import StageComm
+from recovery.snapshots import (
+    DurableStore,
+    PackedState,
+    PeerSnapshots,
+    WriteHandle,
+    pack_state,
+)
+
+__all__ = ["SnapshotKeeper"]
+
+log = logging.getLogger("checkfree")
+
+
+class SnapshotKeeper:
+    """One worker's snapshot holdings.
+
+    Owns ``peer`` (the peer-memory copies: its own, and its ward's), the thread that
+    exchanges a new copy with buddy and ward over the side group, the durable store and
+    the durable writes still in flight.
+    """
+
+    def __init__(self) -> None:
+        self.peer = PeerSnapshots(keep=2)
+        self._durable: DurableStore | None = None
+        self._writes: dict[int, WriteHandle] = {}
+        self._exchange: threading.Thread | None = None
+
+    def forget_peers(self) -> None:
+        """Drop every peer copy (a worker set up afresh holds none)."""
+        self.peer = PeerSnapshots(keep=2)
+
+    def close(self) -> None:
+        """Drop everything: the durable store, its writes in flight, every peer copy."""
+        if self._durable is not None:
+            self._durable.close()
+            self._durable = None
+        self._writes = {}
+        self.peer = PeerSnapshots(keep=2)
+
+    def holdings(self) -> dict[int, list[int]]:
+        """The peer copies held: rank -> steps."""
+        return {rank: sorted(steps) for rank, steps in self.peer.holdings().items()}
+
+    def finished_writes(self, rank: int) -> list[int]:
+        """The steps whose durable write finished since the last call. A write that failed
+        is logged and forgotten: that snapshot never completes, and training goes on."""
+        done = []
+        for s in sorted(s for s, h in self._writes.items() if h.done()):
+            try:
+                self._writes.pop(s).result()
+                done.append(s)
+            except Exception as exc:
+                log.warning("durable snapshot of step %d failed on rank %d: %s", s, rank, exc)
+        return done
+
+    def flush(self) -> None:
+        """Wait for the durable writes in flight and for the peer exchange."""
+        if self._durable is not None:
+            for handle in list(self._writes.values()):
+                with contextlib.suppress(Exception):
+                    self._durable.wait(handle)
+        self.join_exchange()
+
+    # -- peer memory ---------------------------------------------------------------------
+
+    def take(
+        self,
+        step: int,
+        rank: int,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        comm: StageComm | None,
+        buddy: int | None,
+        ward: int | None,
+    ) -> None:
+        """Keep a packed copy of ``rank``'s state at ``step``; swap copies with buddy and ward.
+
+        The copy is packed now (so the next step cannot leak into it); the swap runs on a
+        background thread over the side group, overlapped with training.
+        """
+        self.join_exchange()
+        packed = pack_state(module, optimizer, step)
+        self.peer.put(step, rank, packed)
+        if comm is not None and buddy is not None and ward is not None and buddy != rank:
+            self._exchange = threading.Thread(
+                target=self._swap,
+                args=(comm, step, packed, buddy, ward),
+                name="peer-snapshot",
+                daemon=True,
+            )
+            self._exchange.start()
+
+    def _swap(self, comm: StageComm, step: int, packed: PackedState, buddy: int, ward: int) -> None:
+        header = torch.frombuffer(bytearray(packed.header()), dtype=torch.uint8)
+        sizes = torch.tensor([header.numel(), packed.nbytes], dtype=torch.int64)
+        try:
+            works = comm.side_isend([sizes, header, packed.data], buddy)
+            theirs = comm.side_recv(torch.empty(2, dtype=torch.int64), ward)
+            their_header = comm.side_recv(torch.empty(int(theirs[0]), dtype=torch.uint8), ward)
+            data = comm.side_recv(torch.empty(int(theirs[1]), dtype=torch.uint8), ward)
+            comm.side_wait(works)
+            self.peer.put(step, ward, PackedState.from_parts(their_header.numpy().tobytes(), data))
+        except Exception:  # the generation ended under us: the snapshot is simply incomplete
+            return
+
+    def join_exchange(self) -> None:
+        """Wait (boundedly) for the peer exchange in flight, if any."""
+        if self._exchange is not None:
+            self._exchange.join(timeout=60.0)
+            self._exchange = None
+
+    def send(self, comm: StageComm, step: int, ward: int, dst: int) -> int:
+        """Send the held copy of ``ward`` at ``step`` to ``dst`` over the main group.
+        Returns bytes sent."""
+        packed = self.peer.get(step, ward)
+        header = torch.frombuffer(bytearray(packed.header()), dtype=torch.uint8)
+        sizes = torch.tensor([header.numel(), packed.nbytes], dtype=torch.int64)
+        for t in (sizes, header, packed.data):
+            comm.isend(t.to(comm.device), dst)
+        comm.wait_sends()
+        return int(header.numel() + packed.nbytes)
+
+    def receive(self, comm: StageComm, src: int) -> PackedState:
+        """The packed copy that ``src`` sends (`send`), on the CPU."""
+        sizes = comm.recv(torch.empty(2, dtype=torch.int64, device=comm.device), src).cpu()
+        header = comm.recv(torch.empty(int(sizes[0]), dtype=torch.uint8, device=comm.device), src)
+        data = comm.recv(torch.empty(int(sizes[1]), dtype=torch.uint8, device=comm.device), src)
+        return PackedState.from_parts(header.cpu().numpy().tobytes(), data.cpu())
+
+    # -- the durable tier ----------------------------------------------------------------
+
+    def write_durable(
+        self,
+        root: str,
+        step: int,
+        rank: int,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+    ) -> None:
+        """Start writing ``rank``'s state at ``step`` under ``root`` (asynchronously); its
+        completion shows in a later `finished_writes`."""
+        if self._durable is None or str(self._durable.root) != str(root):
+            self._durable = DurableStore(root)
+        self._writes[step] = self._durable.write(step, rank, module, optimizer)
+
+    def load_durable(
+        self,
+        root: str,
+        step: int,
+        rank: int,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+    ) -> int:
+        """Load ``rank``'s durable snapshot of ``step`` from ``root``, forgetting the writes
+        in flight. Returns the step.
+
+        Raises:
+            SnapshotCorrupted: if its files do not match their checksums (nothing loaded).
+        """
+        if self._durable is not None:
+            self._durable.close()
+        self._writes = {}
+        self._durable = DurableStore(root)
+        return self._durable.load(step, rank, module, optimizer)

@@ -1,0 +1,215 @@
+"""A worker's life and the state every part of it reads.
+
+`WorkerLifecycle` is the base of `recovery.worker.StageWorker`: it builds the stage for a
+job (`setup`), forms and tears down each generation's process groups (`join`, `leave`),
+drops the job while the process stays warm (`reset`, `warm`), and says where it runs and
+what it holds (`info`, `state`). The other parts of the worker -- the two-phase step,
+snapshots, state transfers -- read and write the state it owns.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from parallelism.comm import Rendezvous, StageComm, device_for
+from parallelism.engine import StageEngine
+from parallelism.schedule import build_schedule, forward_only, swapped_routes
+from parallelism.topology import Topology
+from parallelism.zero import ZeroShard
+from recovery.spec import TrainSpec
+from recovery.strategies.checkfree import CheckFreeConfig
+from recovery.worker.keeper import SnapshotKeeper
+from recovery.worker.reports import WorkerInfo
+
+__all__ = ["WorkerLifecycle"]
+
+
+class WorkerLifecycle:
+    """Setup, generations, reset and warm-up of one worker.
+
+    Owns the job's spec and topology, this worker's coordinates, the stage's module,
+    optimizer, schedules and engine (and its ZeRO-1 shard), the current generation's
+    process groups (``comm``) with its buddy and ward, the progress (``step``, and
+    ``rebuilt_at`` / ``checkfree`` after a CheckFree rebuild) and the snapshots held
+    (``snapshots``, a `SnapshotKeeper`).
+
+    Args:
+        threads: intra-op threads for torch (set explicitly: several workers share a node).
+    """
+
+    def __init__(self, threads: int = 1) -> None:
+        torch.set_num_threads(threads)
+        self.spec: TrainSpec | None = None
+        self.comm: StageComm | None = None
+        self.generation = -1
+        self.step = 0
+        self.snapshots = SnapshotKeeper()
+        self.buddy: int | None = None
+        self.ward: int | None = None
+
+    # -- identity ------------------------------------------------------------------------
+
+    def info(self) -> WorkerInfo:
+        """This worker's process id, Ray node and node address (127.0.0.1 outside Ray)."""
+        import ray
+
+        if not ray.is_initialized():
+            return WorkerInfo(pid=os.getpid(), node_id="", host="127.0.0.1")
+        node_id = ray.get_runtime_context().get_node_id()
+        return WorkerInfo(pid=os.getpid(), node_id=node_id, host=ray.util.get_node_ip_address())
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def setup(self, spec: TrainSpec, topology: Topology, rank: int, backend: str) -> float:
+        """Build the stage module and optimizer at their initial state. Returns seconds taken."""
+        start = time.perf_counter()
+        self.spec = spec
+        self.topology = topology
+        self.rank = rank
+        coords = topology.worker(rank)
+        self.stage, self.replica = coords.stage, coords.replica
+        self.backend = backend
+        self.device = device_for(backend)
+        self.module = spec.build(self.stage, topology.stages).to(self.device)
+        shared = spec.shared_params(self.stage, topology.stages) if spec.shared_params else []
+        self.shared_names = list(shared)
+        self.zero: ZeroShard | None = None
+        if spec.shard_optimizer:
+            self.zero = ZeroShard(
+                self.module, spec.make_optimizer, replica=self.replica, replicas=topology.replicas
+            )
+        self.optimizer = self.zero.optimizer if self.zero else self._make_optimizer()
+        self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]
+        routes = None
+        if spec.routes == "swapped":
+            routes = swapped_routes(topology.stages, spec.microbatches)
+        self.schedule = build_schedule(spec.schedule, topology.stages, spec.microbatches, routes)
+        self.eval_schedule = forward_only(topology.stages, spec.microbatches)
+        self.engine = StageEngine(
+            self.module,
+            stage=self.stage,
+            replica=self.replica,
+            topology=topology,
+            loss_fn=spec.loss_fn,
+            device=self.device,
+            clip_grad_norm=spec.clip_grad_norm,
+            shared=self.shared_names,
+            shared_is_home=self.stage in (0, topology.stages - 1),
+        )
+        self._start_fresh()
+        return time.perf_counter() - start
+
+    def _start_fresh(self) -> None:
+        """A newly set-up worker's progress: step 0, never rebuilt, no snapshots held."""
+        self.rebuilt_at: int | None = None
+        self.checkfree: CheckFreeConfig | None = None
+        self.step = 0
+        self.snapshots.forget_peers()
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        """The spec's optimizer; shared (CheckFree+ replica) parameters in a group of their own."""
+        assert self.spec is not None
+        if not self.shared_names:
+            return self.spec.make_optimizer(self.module.parameters())
+        named = list(self.module.named_parameters())
+        shared = set(self.shared_names)
+        groups = [
+            {"params": [p for n, p in named if n not in shared], "shared": False},
+            {"params": [p for n, p in named if n in shared], "shared": True},
+        ]
+        return self.spec.make_optimizer(groups)  # type: ignore[arg-type]
+
+    def _tied_ranks(self) -> tuple[int, ...]:
+        """Every holder of this stage's shared parameters: both stages of its CheckFree+ pair."""
+        if not self.shared_names:
+            return ()
+        last = self.topology.stages - 1
+        partner = {0: 1, 1: 0, last - 1: last, last: last - 1}[self.stage]
+        return tuple(
+            sorted(
+                self.topology.rank(s, r)
+                for s in (self.stage, partner)
+                for r in range(self.topology.replicas)
+            )
+        )
+
+    def join(
+        self,
+        generation: int,
+        rendezvous: Rendezvous,
+        bind_host: str,
+        side_group: bool = False,
+        buddy: int | None = None,
+        ward: int | None = None,
+    ) -> float:
+        """Form this generation's process groups. Returns seconds taken.
+
+        ``buddy`` holds this worker's peer snapshots and this worker holds ``ward``'s; they
+        travel over a side group (``side_group``) beside the training step.
+        """
+        start = time.perf_counter()
+        self.leave()
+        self.comm = StageComm(
+            rendezvous,
+            self.topology,
+            self.rank,
+            self.backend,
+            bind_host,
+            side_group=side_group,
+            tied=self._tied_ranks(),
+        )
+        self.generation = generation
+        self.buddy, self.ward = buddy, ward
+        if self.zero is not None:
+            self.zero.synced = False  # a new member may hold nothing current: sync everyone
+        return time.perf_counter() - start
+
+    def leave(self) -> None:
+        """Tear down the current generation's process groups (idempotent)."""
+        if self.comm is not None:
+            self.comm.close()
+            self.comm = None
+        self.snapshots.join_exchange()
+
+    def reset(self) -> None:
+        """Drop the job: process groups, module, optimizer. The process stays warm for reuse."""
+        self.leave()
+        self.snapshots.close()
+        self.spec = None
+        for name in ("module", "optimizer", "engine"):
+            self.__dict__.pop(name, None)
+        self.generation = -1
+        self.step = 0
+
+    def warm(self, spec: TrainSpec, topology: Topology, backend: str) -> float:
+        """Pay a worker's one-time costs ahead of need (a hot spare): build a stage, run an
+        optimizer step, form a one-worker process group. Returns seconds taken."""
+        start = time.perf_counter()
+        self.setup(spec, topology, 0, backend)
+        inputs, _ = spec.split(spec.batches(0, 0, topology.replicas), step=0, replica=0)
+        out = self.module(inputs[0].to(self.device))  # autograd's first use is slow too
+        out.float().sum().backward()
+        self.optimizer.step()
+        self.reset()
+        return time.perf_counter() - start
+
+    def state(self) -> dict[str, object]:
+        """The worker's full state, on CPU: weights, optimizer state and step."""
+        return {
+            "model": {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()},
+            "optimizer": _to_cpu(self.optimizer.state_dict()),
+            "step": self.step,
+        }
+
+
+def _to_cpu(obj: object) -> object:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj

@@ -1,0 +1,59 @@
+"""What a worker tells the controller: a step's report, where it runs, and whether an error
+it saw means a peer died.
+
+Plain data and one pure function: the runtime's bookkeeping (`recovery.runtime.detection`,
+`ledger`, `membership`, `persistence`, `group`) reads them without needing the worker class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from parallelism.engine import StepStats
+
+__all__ = ["StepReport", "WorkerInfo", "is_comm_error"]
+
+# Substrings by which a backend error reveals a dead or departed peer, as opposed to a
+# bug in user code (which must stop the job, not trigger recovery).
+_COMM_ERROR_MARKERS = (
+    "gloo",
+    "nccl",
+    "connection",
+    "timed out",
+    "timeout",
+    "process group used after close",
+    "broken pipe",
+)
+
+
+def is_comm_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a communication failure (a peer died) rather than a user error."""
+    text = f"{type(exc).__name__}: {exc}".lower()
+    return isinstance(exc, RuntimeError | ConnectionError | OSError) and any(
+        marker in text for marker in _COMM_ERROR_MARKERS
+    )
+
+
+@dataclass
+class StepReport:
+    """A worker's answer to ``run_step``: ready (``ok``) with its measurements, or failed."""
+
+    rank: int
+    step: int
+    ok: bool
+    stats: StepStats = field(default_factory=StepStats)
+    error: str = ""
+    """For a failed step: the communication error the worker saw."""
+    snapshots: dict[int, list[int]] = field(default_factory=dict)
+    """Peer snapshots held: rank -> steps (its own rank: its own copies)."""
+    durable_done: list[int] = field(default_factory=list)
+    """Durable snapshot steps whose write finished since the last report."""
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """Where a worker process runs."""
+
+    pid: int
+    node_id: str
+    host: str

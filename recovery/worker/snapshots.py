@@ -1,0 +1,125 @@
+"""The worker's snapshot calls: peer snapshots, durable snapshots and restart checkpoints.
+
+`Snapshotting` is the part of `recovery.worker.StageWorker` that the controller calls to
+take a snapshot, to hand one to a replacement, and to roll back to one. Each call is a
+line or two over the worker's `recovery.worker.keeper.SnapshotKeeper`; the tiers are
+described in `recovery.snapshots`, the ``restart`` baseline's checkpoints in
+`recovery.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from parallelism.engine import StepStats
+from recovery.checkpoint import load_checkpoint, save_checkpoint
+from recovery.snapshots import unpack_state
+from recovery.worker.lifecycle import WorkerLifecycle
+from recovery.worker.reports import StepReport
+
+__all__ = ["Snapshotting"]
+
+
+class Snapshotting(WorkerLifecycle):
+    """Taking, handing over and restoring snapshots and checkpoints.
+
+    Owns no state of its own: the copies are the `SnapshotKeeper`'s (``snapshots``), and a
+    restore rewrites the stage's module, optimizer and progress.
+    """
+
+    def _report(self, step: int, stats: StepStats) -> StepReport:
+        """A ready report for ``step``: its measurements and the redundancy this worker
+        holds (its peer copies, and the durable writes that finished since the last one)."""
+        done = self.snapshots.finished_writes(self.rank)
+        return StepReport(
+            rank=self.rank,
+            step=step,
+            ok=True,
+            stats=stats,
+            snapshots=self.snapshots.holdings(),
+            durable_done=done,
+        )
+
+    def flush_snapshots(self) -> StepReport:
+        """Wait for durable writes in flight; report what is held (at the end of a job)."""
+        self.snapshots.flush()
+        return self._report(self.step, StepStats())
+
+    # -- peer memory ---------------------------------------------------------------------
+
+    def take_snapshot(self, step: int) -> float:
+        """Keep a packed copy of this worker's state at ``step`` and send one to the buddy.
+
+        The copy is taken now (so the next step cannot leak into it); the exchange with
+        buddy and ward runs on a background thread over the side group, overlapped with
+        training. Returns the seconds the caller was blocked.
+        """
+        start = time.perf_counter()
+        assert step == self.step, (step, self.step)
+        self.snapshots.take(
+            step, self.rank, self.module, self.optimizer, self.comm, self.buddy, self.ward
+        )
+        return time.perf_counter() - start
+
+    def restore_own(self, step: int) -> int:
+        """Roll back to this worker's own peer snapshot of ``step``. Returns the step."""
+        packed = self.snapshots.peer.get(step, self.rank)
+        self.step = unpack_state(packed, self.module, self.optimizer)
+        self._rolled_back(step)
+        return self.step
+
+    def send_snapshot(self, step: int, ward: int, dst: int) -> int:
+        """Send the held snapshot of ``ward`` at ``step`` to ``dst`` (its replacement). Returns bytes."""
+        assert self.comm is not None
+        return self.snapshots.send(self.comm, step, ward, dst)
+
+    def recv_snapshot(self, step: int, src: int) -> int:
+        """Restore the snapshot of ``step`` that ``src`` holds for this rank. Returns the step."""
+        assert self.comm is not None
+        packed = self.snapshots.receive(self.comm, src)
+        self.step = unpack_state(packed, self.module, self.optimizer)
+        self._rolled_back(step)
+        self.snapshots.peer.put(step, self.rank, packed)
+        return self.step
+
+    # -- the durable tier ----------------------------------------------------------------
+
+    def durable_write(self, root: str, step: int) -> float:
+        """Start writing this worker's state at ``step`` to the durable tier (asynchronously).
+
+        Its completion shows in a later report's ``durable_done``. Returns seconds blocked.
+        """
+        start = time.perf_counter()
+        assert step == self.step, (step, self.step)
+        self.snapshots.write_durable(root, step, self.rank, self.module, self.optimizer)
+        return time.perf_counter() - start
+
+    def durable_load(self, root: str, step: int) -> int:
+        """Load this worker's durable snapshot of ``step``. Returns the step.
+
+        Raises:
+            SnapshotCorrupted: if its files do not match their checksums (nothing loaded).
+        """
+        self.step = self.snapshots.load_durable(root, step, self.rank, self.module, self.optimizer)
+        self._rolled_back(step)
+        return self.step
+
+    def _rolled_back(self, step: int) -> None:
+        """After restoring the state of ``step``: forget everything newer (another timeline)."""
+        self.snapshots.peer.discard_after(step)
+        if self.rebuilt_at is not None and self.rebuilt_at > step:
+            self.rebuilt_at = self.checkfree = None
+
+    # -- restart checkpoints (the baseline) ----------------------------------------------
+
+    def save_checkpoint(self, root: str, step: int) -> float:
+        """Write this worker's state to a checkpoint (the ``restart`` baseline). Returns seconds."""
+        start = time.perf_counter()
+        assert step == self.step, (step, self.step)
+        save_checkpoint(root, self.rank, self.module, self.optimizer, self.step)
+        return time.perf_counter() - start
+
+    def load_checkpoint(self, root: str, step: int) -> int:
+        """Load this worker's checkpoint of ``step``. Returns the step."""
+        self.step = load_checkpoint(root, self.rank, step, self.module, self.optimizer)
+        return self.step

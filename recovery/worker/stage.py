@@ -1,0 +1,242 @@
+"""The worker: one pipeline stage of one replica, run as a Ray actor.
+
+`StageWorker` is a plain class (the controller wraps it with ``ray.remote``; tests may call
+it directly). It runs the stage's share of each step and applies a step only when told to
+commit; this module holds that two-phase step, the injected faults that strike inside it,
+and the calls that abandon it for a recovery. The rest of the worker is its bases: its
+lifecycle and state (`recovery.worker.lifecycle`), its snapshots
+(`recovery.worker.snapshots`) and its state transfers (`recovery.worker.transfers`).
+
+[Note: two-phase step]
+A step runs in two phases. ``run_step(step)`` runs the microbatch schedule and the
+gradient all-reduce and reports "ready" with the loss and gradient norm; nothing is applied.
+Only when every live worker is ready does the controller call ``commit(step)``, and each
+worker then applies its optimizer step. A failure before the commit abandons the step
+everywhere (gradients are dropped), and after recovery the same step is run again on the
+same data -- ``batches`` is a pure function of the step -- so no committed step is lost and
+none is applied twice. A worker's step counter is the number of steps it has committed; it
+is also its data cursor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+import traceback
+
+import torch
+
+from parallelism.schedule import Schedule
+from parallelism.seeding import seed_everything
+from recovery.faults import Corrupt, Fault, Kill, KillPoint, WorkerFault
+from recovery.spec import BatchFn, apply_lr_schedule
+from recovery.worker.reports import StepReport, is_comm_error
+from recovery.worker.snapshots import Snapshotting
+from recovery.worker.transfers import StateTransfer
+
+__all__ = ["StageWorker"]
+
+_STEP_POINTS = (KillPoint.BEFORE_FORWARD, KillPoint.MID_PIPELINE, KillPoint.DURING_ALLREDUCE)
+"""The kill points inside phase one (`StageWorker.run_step`)."""
+
+
+class StageWorker(Snapshotting, StateTransfer):
+    """One stage of one pipeline replica. See [Note: two-phase step].
+
+    Owns the step in progress: the faults armed for it (``_faults``) and what the worker
+    is doing (``_activity``, for `probe`). Everything else it reads is its bases'.
+
+    Args:
+        threads: intra-op threads for torch (set explicitly: several workers share a node).
+    """
+
+    def __init__(self, threads: int = 1) -> None:
+        super().__init__(threads)
+        self._faults: list[WorkerFault] = []
+        self._activity = ("idle", time.time())
+
+    # -- the two phases ------------------------------------------------------------------
+
+    def run_step(self, step: int, faults: tuple[Fault, ...] = ()) -> StepReport:
+        """Phase one: forward, backward and gradient all-reduce of ``step``; apply nothing.
+
+        ``faults`` are injected failures to fire at their points of this step or its commit.
+        Returns a failed report (and tears down this generation) on a communication error.
+
+        Raises:
+            RuntimeError: if ``step`` is not this worker's next step.
+            Exception: whatever user code raised (model, loss, data), after tearing down.
+        """
+        self._begin_step(step, faults)
+        assert self.spec is not None
+        seed_everything(self.spec.seed, "step", self.stage, self.replica, step)
+        inputs, targets = self._data(self.spec.batches, step, self.schedule)
+        try:
+            if self.zero is not None:
+                self.zero.sync(self.comm)
+            stats = self.engine.run(self.schedule, self.comm, inputs, targets, self._hook)
+        except Exception as exc:
+            return self._failed(step, exc)
+        finally:
+            self._activity = ("idle", time.time())
+        return self._report(step, stats)
+
+    def commit(self, step: int) -> int:
+        """Phase two: apply ``step``'s optimizer update. Returns the new step counter.
+
+        Raises:
+            RuntimeError: if ``step`` is not the step this worker just ran.
+        """
+        assert self.spec is not None, "setup() first"
+        if step != self.step:
+            raise RuntimeError(f"worker {self.rank} is at step {self.step}, asked to commit {step}")
+        self._hook(KillPoint.BEFORE_COMMIT.value)
+        self._apply(step)
+        self.step = step + 1
+        self._hook(KillPoint.AFTER_COMMIT.value)
+        self._faults = []
+        return self.step
+
+    def _begin_step(self, step: int, faults: tuple[Fault, ...]) -> None:
+        """Phase one's preamble: check the step, arm its faults, drop any leftover step.
+
+        Raises:
+            RuntimeError: if ``step`` is not this worker's next step.
+        """
+        assert self.spec is not None, "setup() first"
+        if step != self.step:
+            raise RuntimeError(
+                f"worker {self.rank} is at step {self.step}, asked to run step {step}"
+            )
+        self._faults = [f for f in faults if isinstance(f, WorkerFault) and f.step == step]
+        self._activity = ("step", time.time())
+        self._drop_step()
+
+    def _apply(self, step: int) -> None:
+        """The commit's work: the optimizer update of ``step`` (and of a ZeRO-1 mirror)."""
+        assert self.spec is not None
+        factor = 1.0
+        if self.rebuilt_at is not None and self.checkfree is not None:
+            factor = self.checkfree.lr_factor(max(0, step - self.rebuilt_at))
+        apply_lr_schedule(self.optimizer, self.spec.lr_schedule, step, self.base_lrs, factor=factor)
+        self.optimizer.step()
+        if self.zero is not None:
+            mirror = self.zero.mirror_optimizer
+            apply_lr_schedule(mirror, self.spec.lr_schedule, step, self.base_lrs, factor=factor)
+            self.zero.step_mirror()
+        self.module.zero_grad(set_to_none=True)
+
+    def abandon(self, step: int) -> None:
+        """Drop the uncommitted gradients of ``step`` (it will be run again)."""
+        self._drop_step()
+
+    def evaluate(self, index: int) -> StepReport:
+        """Forward-only pass over held-out batch ``index``; losses reported by last stages."""
+        assert self.spec is not None and self.spec.val_batches is not None
+        inputs, targets = self._data(self.spec.val_batches, index, self.eval_schedule)
+        try:
+            if self.zero is not None:
+                self.zero.sync(self.comm)
+            stats = self.engine.run(self.eval_schedule, self.comm, inputs, targets)
+        except Exception as exc:
+            return self._failed(self.step, exc)
+        return StepReport(rank=self.rank, step=self.step, ok=True, stats=stats)
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _data(
+        self, fn: BatchFn, index: int, schedule: Schedule
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        assert self.spec is not None
+        ends = {schedule.first_stage(m) for m in range(schedule.num_microbatches)}
+        ends |= {schedule.last_stage(m) for m in range(schedule.num_microbatches)}
+        if self.stage not in ends:  # a middle stage never touches data
+            return [], []
+        batch = fn(index, self.replica, self.topology.replicas)
+        return self.spec.split(batch, step=index, replica=self.replica)
+
+    def _drop_step(self) -> None:
+        """Forget everything of the uncommitted step (its gradients)."""
+        self.module.zero_grad(set_to_none=True)
+
+    def _failed(self, step: int, exc: Exception) -> StepReport:
+        if is_comm_error(exc):
+            # Another worker failed first and the step was aborted before this one's own
+            # injected kill struck: the failures injected into one step strike together,
+            # so it dies now instead of in the retried step.
+            for fault in self._faults:
+                if isinstance(fault, Kill) and fault.at in _STEP_POINTS:
+                    self._hook(fault.at.value)
+        # Tear down first so that peers blocked on us fail fast (see parallelism/comm.py).
+        self.leave()
+        self._drop_step()
+        if not is_comm_error(exc):
+            raise exc
+        detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        return StepReport(rank=self.rank, step=step, ok=False, error=detail)
+
+    def _hook(self, point: str) -> None:
+        """Called at named points inside a step: fires the injected faults armed for it."""
+        for fault in self._faults:
+            if fault.at.value != point:
+                continue
+            self._record_fault_time()
+            if isinstance(fault, Corrupt):
+                with torch.no_grad():  # a flipped bit: nothing fails, the numbers go bad
+                    next(self.module.parameters()).view(-1)[0] = float("nan")
+                continue
+            if isinstance(fault, Kill):
+                self._die()
+            self._activity = ("hung", time.time())
+            self._hang()
+
+    def _die(self) -> None:
+        """An injected kill: a real death, no cleanup, no goodbye (overridden by workers
+        that run as threads, see recovery/runtime/thread_group.py)."""
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def _hang(self) -> None:
+        """An injected hang: the process lives on and does nothing until it is killed."""
+        threading.Event().wait()
+
+    def _record_fault_time(self) -> None:
+        """Leave the wall-clock time of an injected fault in the store, for detection timing."""
+        if self.comm is not None:
+            with contextlib.suppress(Exception):
+                self.comm.store.set(f"fault/{self.rank}", repr(time.time()))
+
+    # -- recovery ------------------------------------------------------------------------
+
+    def probe(self) -> dict[str, object]:
+        """What the worker is doing right now (answered from a separate thread).
+
+        ``waiting_on`` is the peer rank a communication call is blocked on, if any: a worker
+        blocked on a peer is a victim of a hang, not its cause.
+        """
+        kind, since = self._activity
+        waiting = self.comm.waiting_on if self.comm is not None else None
+        return {"activity": kind, "since": since, "waiting_on": waiting, "step": self.step}
+
+    def abort(self) -> None:
+        """Abandon the running step from outside it: tear down this generation's groups.
+
+        Called from a control thread while ``run_step`` may be running: its next (or
+        current) communication fails, and peers blocked on this worker wake up.
+        """
+        comm = self.comm
+        if comm is not None:
+            comm.close()
+
+    def prepare_recovery(self) -> StepReport:
+        """Abandon the uncommitted step and leave the generation.
+
+        Returns the committed step and what redundancy this worker holds (peer snapshots,
+        finished durable writes), for the planner.
+        """
+        self._drop_step()
+        self._faults = []
+        self.leave()
+        return self.flush_snapshots()  # let durable writes in flight land before anyone prunes

@@ -1,0 +1,151 @@
+"""The worker's side of moving state between workers over the current generation's groups.
+
+`StateTransfer` is the part of `recovery.worker.StageWorker` that the plan's transfers
+(`recovery.runtime.executor`) call: a whole-state copy from a live replica, the ZeRO-1
+shard and its mirror (see `parallelism/zero.py`), and the CheckFree(+) rebuild of a lost
+stage from its neighbours. The bytes move by `recovery.transfer`; the rebuild's math is
+`recovery.strategies.checkfree`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from parallelism.engine import StageEngine
+from recovery.strategies.checkfree import CheckFreeConfig, load_optimizer_moments, rebuild_stage
+from recovery.transfer import recv_named, recv_state, send_named, send_state
+from recovery.worker.lifecycle import WorkerLifecycle
+
+__all__ = ["StateTransfer"]
+
+
+class StateTransfer(WorkerLifecycle):
+    """Sending and receiving the stage's state: copies, ZeRO-1 shards, CheckFree rebuilds.
+
+    Owns no state of its own: it reads and rewrites the stage's module, optimizer, engine
+    and progress (``step``, ``rebuilt_at``, ``checkfree``), and the ZeRO-1 shard's mirror.
+    """
+
+    # -- whole-state copies --------------------------------------------------------------
+
+    def send_state(self, dsts: list[int]) -> int:
+        """Send this worker's state to each rank in ``dsts``, in turn. Returns bytes sent."""
+        assert self.comm is not None
+        extra = {"rebuilt_at": self.rebuilt_at, "checkfree": self.checkfree}
+        return sum(
+            send_state(self.comm, dst, self.module, self.optimizer, self.step, extra)
+            for dst in dsts
+        )
+
+    def recv_state(self, src: int) -> tuple[int, int]:
+        """Become a copy of rank ``src``'s state. Returns ``(step, bytes received)``."""
+        assert self.comm is not None
+        self.step, received, extra = recv_state(self.comm, src, self.module, self.optimizer)
+        # A copy of a rebuilt stage keeps its learning-rate scale, or the replicas diverge.
+        self.rebuilt_at, self.checkfree = extra.get("rebuilt_at"), extra.get("checkfree")
+        return self.step, received
+
+    # -- ZeRO-1 shards (see parallelism/zero.py) -----------------------------------------
+
+    def sync_params(self) -> None:
+        """Every parameter from its owner (ZeRO-1; a collective over the stage group)."""
+        if self.zero is not None:
+            self.zero.sync(self.comm)
+
+    def send_mirror(self, dst: int) -> int:
+        """Send the mirror of the ward's shard to ``dst``, the ward's replacement. Returns bytes."""
+        assert self.comm is not None and self.zero is not None
+        zero = self.zero
+        return send_state(self.comm, dst, zero.mirror, zero.mirror_optimizer, self.step)
+
+    def recv_shard(self, src: int) -> tuple[int, int]:
+        """Take this worker's own shard from its holder's mirror. Returns ``(step, bytes)``."""
+        assert self.comm is not None and self.zero is not None
+        self.step, received, _ = recv_state(self.comm, src, self.zero.owned, self.optimizer)
+        self.zero.synced = False
+        return self.step, received
+
+    def seed_mirror(self, send: bool = True, receive: bool = True) -> int:
+        """Send this worker's shard to its holder (``send``) and take a fresh mirror of its
+        ward's (``receive``): after a recovery the holders' copies may be gone or from
+        before a rollback. Returns bytes sent."""
+        assert self.comm is not None and self.zero is not None
+        zero = self.zero
+        holder = self.topology.rank(self.stage, zero.holder)
+        ward = self.topology.rank(self.stage, zero.ward)
+        sent = 0
+        if send:
+            sent = send_state(self.comm, holder, zero.owned, self.optimizer, self.step, wait=False)
+        if receive:
+            recv_state(self.comm, ward, zero.mirror, zero.mirror_optimizer)
+        self.comm.wait_sends()
+        return sent
+
+    # -- CheckFree(+) rebuilds -----------------------------------------------------------
+
+    def send_named_state(self, dst: int, moments: bool) -> int:
+        """Send this stage's weights (and optimizer moments) to a rebuilt neighbour. Returns bytes."""
+        assert self.comm is not None
+        return send_named(self.comm, dst, self.module, self.optimizer, moments=moments)
+
+    def rebuild(
+        self,
+        strategy: str,
+        sources: dict[str, int],
+        norms: tuple[float | None, float | None],
+        config: CheckFreeConfig,
+        step: int,
+    ) -> int:
+        """CheckFree(+): rebuild this (lost) stage from its neighbours' states.
+
+        ``sources`` maps ``"prev"`` / ``"next"`` to the ranks of live workers of stages
+        ``stage-1`` / ``stage+1`` (``edge_copy`` needs only the swap partner). The weights
+        come from `recovery.strategies.checkfree.rebuild_stage` -- the same function the
+        in-process simulator calls -- over this worker's fresh module as the template.
+        Returns the bytes received.
+        """
+        assert self.comm is not None
+        received: dict[str, tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]] = {}
+        total = 0
+        for role in ("prev", "next"):
+            if role in sources:
+                state, opt, nbytes = recv_named(self.comm, sources[role])
+                received[role] = (state, opt)
+                total += nbytes
+        template = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        prev = received.get("prev", (None, None))
+        nxt = received.get("next", (None, None))
+        result = rebuild_stage(
+            config,
+            stage=self.stage,
+            num_stages=self.topology.stages,
+            template=template,
+            prev=prev[0],
+            nxt=nxt[0],
+            prev_norm=norms[0],
+            next_norm=norms[1],
+            edge_replicas=self.spec is not None and self.spec.routes == "swapped",
+            exact_keys=self.shared_names,
+            prev_moments=prev[1],
+            next_moments=nxt[1],
+        )
+        self.module.load_state_dict(result.state)
+        self.optimizer = self._make_optimizer()
+        load_optimizer_moments(self.module, self.optimizer, result.moments)
+        self.engine = StageEngine(
+            self.module,
+            stage=self.stage,
+            replica=self.replica,
+            topology=self.topology,
+            loss_fn=self.engine.loss_fn,
+            device=self.device,
+            clip_grad_norm=self.engine.clip_grad_norm,
+            shared=self.shared_names,
+            shared_is_home=self.engine.shared_is_home,
+        )
+        self.step = step
+        self.rebuilt_at = step
+        self.checkfree = config
+        return total
