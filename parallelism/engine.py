@@ -4,7 +4,7 @@
 send, backward -- on the stage's module, then averages the stage's gradients across the
 replicas of the stage and measures (and optionally clips) their norm. It never steps the
 optimizer: applying a step is the caller's decision (the two-phase step, see
-[Note: two-phase step] in ``recovery/worker.py``). It knows nothing of failures: a
+[Note: two-phase step] in ``recovery/worker/stage.py``). It knows nothing of failures: a
 communication error simply propagates.
 """
 

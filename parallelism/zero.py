@@ -4,7 +4,7 @@ replicas, every shard mirrored on the ring neighbour.
 [Note: ZeRO-1 with mirrors]
 The parameters of a stage are partitioned over its ``R`` replicas (`partition`): replica
 ``r`` owns some of them and keeps optimizer state (Adam's moments) for those only. A step
-is the usual two phases (see recovery/worker.py): phase one runs the pipeline and
+is the usual two phases (see recovery/worker/stage.py): phase one runs the pipeline and
 all-reduces the gradients -- every replica then holds the same full gradient -- and the
 commit applies the optimizer to the *owned* parameters only. The other replicas' copies
 of a parameter are refreshed at the start of the next step (or evaluation), when each

@@ -14,7 +14,7 @@ checksummed (`DurableStore`). It survives anything, driver death included.
 A snapshot of step S is, for every rank, the state it holds after committing steps
 0..S-1 and before running step S: its step counter (= data cursor) is S, and its RNG
 needs no bytes because every draw derives from ``(seed, stage, replica, step)``
-(``parallelism/seeding.py``). Under the two-phase step (see ``recovery/worker.py``) no
+(``parallelism/seeding.py``). Under the two-phase step (see ``recovery/worker/stage.py``) no
 worker applies step S until every worker is ready, so "the state at S" is one well-defined
 set of world-size states, and each worker's part is labelled with S when it is taken.
 Both `pack_state` and DCP's async staging copy the tensors before returning, so the
