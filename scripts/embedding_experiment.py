@@ -99,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             checkpoint_load_s=args.checkpoint_load_s,
             detect_s=args.detect_s,
             replace_s=args.replace_s,
-            bandwidth_bytes_per_s=args.bandwidth,
+            transfer_bytes_per_s=args.bandwidth,
             interval=args.interval,
         )
         strategies = default_strategies(

@@ -26,7 +26,7 @@ tables are computed. `scripts/experiment.py` runs the matrix from a TOML file.
   ``checkfree``: a lost intermediate stage is rebuilt from its neighbours
   (`recovery.strategies.rebuild_stage`), costing ``recovery_s``; a lost edge stage, or two
   adjacent lost stages, cannot be rebuilt, and the job rolls back to its last checkpoint
-  (``checkpoint_every``, saved at ``checkpoint_save_s`` each; without checkpoints, to the
+  (``checkpoint_every``, saved at ``checkpoint_write_s`` each; without checkpoints, to the
   initial weights). The published CheckFree protects intermediate stages only; the
   rollback is our stated choice for the rest.
   ``checkfree+``: swapped routes and (de)embedding replicas; edge stages are rebuilt by
@@ -34,8 +34,8 @@ tables are computed. `scripts/experiment.py` runs the matrix from a TOML file.
   above when ``checkpoint_every`` is set, else the stage that cannot be averaged is
   re-initialised (rare: it needs two neighbouring failures in one step).
   ``checkpoint``: every ``checkpoint_every`` steps a checkpoint is saved
-  (``checkpoint_save_s``); a failure rolls every stage and optimizer back to it, costs
-  ``checkpoint_reload_s``, and the steps since are redone.
+  (``checkpoint_write_s``); a failure rolls every stage and optimizer back to it, costs
+  ``checkpoint_load_s``, and the steps since are redone.
   ``redundant``: no progress is lost; each failure costs ``failover_s``, and every step
   costs ``redundant_factor`` times as much.
 - Exact strategies (``none``, ``checkpoint``, ``redundant``) never change *what* is

@@ -255,7 +255,7 @@ def _drive(
         if every is not None and step % every == 0:
             saved = ex.snapshot()
             saved_step = step
-            now += times.checkpoint_save_s
+            now += times.checkpoint_write_s
         if step % eval_every == 0 or step == steps:
             result.records.append(EvalRecord(step=step, time_s=now, val_loss=ex.evaluate(step)))
     result.info.setdefault("finished", True)
@@ -328,7 +328,7 @@ def _recover(
         return ",".join(dict.fromkeys(methods)), times.recovery_s, 0
     if decision.tier is not None:
         assert all(a.strategy == Strategy.ROLLBACK for a in decision.actions)
-        return Strategy.ROLLBACK, times.checkpoint_reload_s, step - decision.resume_step
+        return Strategy.ROLLBACK, times.checkpoint_load_s, step - decision.resume_step
     assert {a.strategy for a in decision.actions} <= APPROXIMATE, decision
     # The rebuild is the planner's neighbour_average / edge_copy, done with the trainer's
     # states (it reports the method per stage: an ablation may average differently).

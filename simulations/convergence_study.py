@@ -16,7 +16,7 @@ from simulations.convergence_config import (
 )
 from simulations.convergence_loop import _FAILOVER, run_convergence
 from simulations.convergence_results import EvalRecord, RunResult
-from simulations.costs import TimeModel
+from simulations.costs import TimeModel, check_renamed
 from simulations.failure_sources import FailureProcess
 
 __all__ = [
@@ -48,7 +48,7 @@ class RunKey:
         return f"{safe}-r{self.rate:g}-s{self.seed}.json"
 
 
-SENSITIVITY_FIELDS = ("checkpoint_save_s", "checkpoint_reload_s", "failover_s", "redundant_factor")
+SENSITIVITY_FIELDS = ("checkpoint_write_s", "checkpoint_load_s", "failover_s", "redundant_factor")
 """`TimeModel` fields that only the exact strategies depend on."""
 
 
@@ -93,7 +93,7 @@ class ConvergenceExperiment:
     sensitivity: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     """`TimeModel` field -> values at which the exact strategies (checkpointing, redundant
     computation) are re-timed by `exact_sensitivity`; only the fields that do not change
-    the CheckFree runs: ``checkpoint_save_s``, ``checkpoint_reload_s``, ``failover_s``,
+    the CheckFree runs: ``checkpoint_write_s``, ``checkpoint_load_s``, ``failover_s``,
     ``redundant_factor``."""
 
     def __post_init__(self) -> None:
@@ -155,6 +155,8 @@ class ConvergenceExperiment:
         sensitivity = dict(data.pop("sensitivity", {}))
         strategy_texts = list(data.pop("strategies", ["checkfree", "checkfree+", "checkpoint:50"]))
         target = data.pop("target", "auto")
+        check_renamed(time_model, "[time]")
+        check_renamed(sensitivity, "[sensitivity]")
         for owner, given, klass in (
             ("[model]", model, ConvergenceSetup),
             ("[time]", time_model, TimeModel),

@@ -9,6 +9,16 @@ nodes; they are order-of-magnitude assumptions, each stated under its field, unt
 simulator is validated against: Young's and Daly's optimal intervals and the expected
 fraction of wall time that checkpoint-restart wastes (see RESEARCH.md, "Failure rates and
 checkpoint theory").
+
+The three simulators' models -- :class:`CostModel` (cluster), :class:`TimeModel`
+(convergence) and :class:`EmbeddingTimeModel` (embedding tables) -- describe different
+settings, so their defaults differ, but they name a quantity the same way: a duration is
+``<what>_s`` in seconds of the whole job's wall clock, a size ``<what>_bytes``, a rate
+``<what>_bytes_per_s``; ``step_s`` (one step), ``detect_s`` (death -> the controller acts),
+``replace_s`` (a replacement started and joined), ``checkpoint_write_s`` /
+``checkpoint_load_s`` (the blocking write of one checkpoint / reloading it everywhere) and
+``transfer_bytes_per_s`` (worker-to-worker state copies) mean the same in each. Older
+names are refused with the new one (:func:`check_renamed`).
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,14 +38,36 @@ if TYPE_CHECKING:
     from simulations.convergence_config import ConvergencePolicy
 
 __all__ = [
+    "RENAMED",
     "CostModel",
     "EmbeddingTimeModel",
     "TimeModel",
+    "check_renamed",
     "daly_interval",
     "daly_waste",
     "young_interval",
     "young_waste",
 ]
+
+RENAMED = {
+    "checkpoint_save_s": "checkpoint_write_s",
+    "checkpoint_reload_s": "checkpoint_load_s",
+    "bandwidth_bytes_per_s": "transfer_bytes_per_s",
+}
+"""Cost fields renamed so that every model spells a quantity one way: old -> new."""
+
+
+def check_renamed(keys: Iterable[str], where: str) -> None:
+    """Refuse cost fields by their old names (a user's TOML or JSON file).
+
+    Raises:
+        ValueError: naming each old key, its new name, and ``where`` it was found.
+    """
+    old = [key for key in keys if key in RENAMED]
+    if old:
+        renames = ", ".join(f"{key!r} is now {RENAMED[key]!r}" for key in old)
+        raise ValueError(f"renamed key(s) in {where}: {renames}")
+
 
 # A Llama-3-405B-like model: 405e9 parameters; training state per parameter = bf16 weight
 # (2 B) + bf16 gradient (2 B) + fp32 master weight and two Adam moments (12 B) = 16 B.
@@ -151,6 +184,7 @@ class CostModel:
             raise ValueError(f"a cost model must be a JSON object, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in data.items() if not str(k).startswith("_")}
+        check_renamed(values, "the cost model")
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown CostModel field(s) {unknown}; known: {sorted(known)}")
@@ -281,9 +315,9 @@ class TimeModel:
     recovery_s: float = 30.0
     """CheckFree(+) recovery: detect the loss, a replacement node joins, fetches its two
     neighbours' weights (or its partner's) and averages them."""
-    checkpoint_save_s: float = 10.0
+    checkpoint_write_s: float = 10.0
     """Saving one checkpoint to remote storage (stages upload their parts in parallel)."""
-    checkpoint_reload_s: float = 120.0
+    checkpoint_load_s: float = 120.0
     """Rollback: a replacement node joins and every stage downloads the checkpoint."""
     failover_s: float = 10.0
     """Redundant computation: the neighbour holding the copy takes over."""
@@ -294,7 +328,7 @@ class TimeModel:
 
     def __post_init__(self) -> None:
         check_number("TimeModel step_s", self.step_s, positive=True)
-        for name in ("recovery_s", "checkpoint_save_s", "checkpoint_reload_s", "failover_s"):
+        for name in ("recovery_s", "checkpoint_write_s", "checkpoint_load_s", "failover_s"):
             check_number(f"TimeModel {name}", getattr(self, name), minimum=0.0)
         check_number("TimeModel redundant_factor", self.redundant_factor, positive=True)
         if self.redundant_factor < 1:
@@ -326,13 +360,13 @@ class EmbeddingTimeModel:
     """From a death to the controller acting on it."""
     replace_s: float = 10.0
     """Starting a replacement worker and forming the new process groups."""
-    bandwidth_bytes_per_s: float = 1.25e9
+    transfer_bytes_per_s: float = 1.25e9
     """Worker-to-worker bandwidth (10 Gb/s) for mirror traffic and peer state copies."""
     interval: str = "daly"
     """``"daly"`` or ``"young"``: which optimal checkpoint interval to use by default."""
 
     def __post_init__(self) -> None:
-        for name in ("step_s", "bandwidth_bytes_per_s"):
+        for name in ("step_s", "transfer_bytes_per_s"):
             check_number(f"EmbeddingTimeModel.{name}", getattr(self, name), positive=True)
         for name in ("checkpoint_write_s", "checkpoint_load_s", "detect_s", "replace_s"):
             check_number(f"EmbeddingTimeModel.{name}", getattr(self, name), minimum=0.0)
@@ -355,4 +389,4 @@ class EmbeddingTimeModel:
         return max(1, min(steps, round(seconds / self.step_s)))
 
     def transfer_s(self, nbytes: float) -> float:
-        return nbytes / self.bandwidth_bytes_per_s
+        return nbytes / self.transfer_bytes_per_s

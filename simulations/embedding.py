@@ -18,7 +18,7 @@ held-out AUC and log loss against modelled time, and where the lost time went.
   (a consistent snapshot of every shard, dense replica and MFU counter) costs
   ``checkpoint_write_s`` every ``checkpoint_every`` committed steps, by default Daly's
   interval for the modelled MTBF (run time / failures); mirror traffic costs its bytes
-  over ``bandwidth_bytes_per_s`` after every step (not overlapped: conservative).
+  over ``transfer_bytes_per_s`` after every step (not overlapped: conservative).
 - ``none``: no failures, no checkpoints -- the ideal.
 - ``rollback``: every worker reloads the last checkpoint (``detect_s + replace_s +
   checkpoint_load_s``) and the steps since are redone (each ``step_s``, counted as lost).

@@ -44,8 +44,8 @@ SETUP = ConvergenceSetup(
 TIMES = TimeModel(
     step_s=100.0,
     recovery_s=5.0,
-    checkpoint_save_s=10.0,
-    checkpoint_reload_s=50.0,
+    checkpoint_write_s=10.0,
+    checkpoint_load_s=50.0,
     failover_s=7.0,
     redundant_factor=1.5,
 )
@@ -270,6 +270,11 @@ def test_experiment_config_and_summary(baseline: RunResult) -> None:
         ConvergenceExperiment.from_dict({"steps": 5, "stpes": 5})
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['dims'\] in \[model\]"):
         ConvergenceExperiment.from_dict({"steps": 5, "model": {"dims": 3}})
+    # A key renamed so that every cost model spells it one way names its new name.
+    with pytest.raises(ValueError, match="'checkpoint_save_s' is now 'checkpoint_write_s'"):
+        ConvergenceExperiment.from_dict({"steps": 5, "time": {"checkpoint_save_s": 3.0}})
+    with pytest.raises(ValueError, match=r"\[sensitivity\].*'checkpoint_reload_s' is now"):
+        ConvergenceExperiment.from_dict({"steps": 5, "sensitivity": {"checkpoint_reload_s": [1]}})
     runs = [baseline] + [
         exp.run(k, baseline=baseline) for k in exp.runs() if k.strategy.exact and k.rate == 0.2
     ]
