@@ -66,7 +66,12 @@ from simulations.convergence_study import (
     summarize,
 )
 from simulations.costs import TimeModel
-from simulations.failure_sources import FailureProcess, FailureSource, ScheduledFailures
+from simulations.failure_sources import (
+    FailureProcess,
+    FailureSource,
+    ModelFailures,
+    ScheduledFailures,
+)
 from simulations.pipeline import PipelineTrainer
 
 # Re-exported so that ``simulations.convergence`` stays the one import of the simulator.
@@ -79,6 +84,7 @@ __all__ = [
     "FailureEvent",
     "FailureProcess",
     "FailureSource",
+    "ModelFailures",
     "PipelineTrainer",
     "RunKey",
     "RunResult",
