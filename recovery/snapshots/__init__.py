@@ -43,6 +43,7 @@ from recovery.snapshots.durable import (
     WriteResult,
     file_digest,
 )
+from recovery.snapshots.folder import SnapshotFolder
 from recovery.snapshots.packing import PackedState, TensorSlot, pack_state, unpack_state
 from recovery.snapshots.peer import PeerSnapshots, peer_rollback_step
 
@@ -55,6 +56,7 @@ __all__ = [
     "DurableStore",
     "PackedState",
     "PeerSnapshots",
+    "SnapshotFolder",
     "TensorSlot",
     "WriteHandle",
     "WriteResult",
