@@ -18,6 +18,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -36,6 +37,25 @@ from simulations.embedding import (
     results_table,
     run_embedding,
 )
+
+
+class _Renamed(argparse.Action):
+    """A flag renamed so that every simulator spells a cost one way: refused, naming the new one."""
+
+    def __init__(
+        self, option_strings: list[str], dest: str, *, renamed: str, **kwargs: Any
+    ) -> None:
+        super().__init__(option_strings, dest, nargs="?", **kwargs)
+        self.renamed = renamed
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        parser.error(f"{option_string} is now {self.renamed}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -58,13 +78,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=int,
         help="checkpoint interval (steps) of the partial strategies (default: Young/Daly's)",
     )
-    add("--step-s", type=float, default=1.0, help="modelled seconds per step (default 1)")
-    add("--checkpoint-write-s", type=float, default=15.0, help="modelled checkpoint write (s)")
-    add("--checkpoint-load-s", type=float, default=30.0, help="modelled checkpoint reload (s)")
-    add("--detect-s", type=float, default=5.0, help="modelled failure detection (s)")
-    add("--replace-s", type=float, default=10.0, help="modelled replacement start-up (s)")
-    add("--bandwidth", type=float, default=1.25e9, help="worker-to-worker bytes/s (10 Gb/s)")
-    add("--interval", choices=("daly", "young"), default="daly", help="checkpoint interval rule")
+    # The time model's flags are its fields, one to one, with its defaults.
+    time = EmbeddingTimeModel()
+    for name, what in (
+        ("step_s", "seconds per step"),
+        ("checkpoint_write_s", "seconds to write a checkpoint"),
+        ("checkpoint_load_s", "seconds to load the checkpoint into every worker"),
+        ("detect_s", "seconds to detect a failure"),
+        ("replace_s", "seconds to start a replacement"),
+        ("transfer_bytes_per_s", "worker-to-worker bytes/s (1.25e9 = 10 Gb/s)"),
+    ):
+        default = getattr(time, name)
+        flag = "--" + name.replace("_", "-")
+        add(flag, type=float, default=default, help=f"modelled {what} (default {default:g})")
+    add(
+        "--checkpoint-formula",
+        choices=("daly", "young"),
+        default=time.checkpoint_formula,
+        help=f"optimal checkpoint interval rule (default {time.checkpoint_formula})",
+    )
+    for old, renamed in (
+        ("--bandwidth", "--transfer-bytes-per-s"),
+        ("--interval", "--checkpoint-formula"),
+    ):
+        add(
+            old, action=_Renamed, renamed=renamed, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+        )
     add("--eval-every", type=int, default=100, help="evaluate every this many steps")
     add("--heldout", type=int, default=20_000, help="held-out samples (default 20000)")
     add("--only", help="comma-separated strategy names to run (the no-failure run always runs)")
@@ -99,8 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             checkpoint_load_s=args.checkpoint_load_s,
             detect_s=args.detect_s,
             replace_s=args.replace_s,
-            transfer_bytes_per_s=args.bandwidth,
-            interval=args.interval,
+            transfer_bytes_per_s=args.transfer_bytes_per_s,
+            checkpoint_formula=args.checkpoint_formula,
         )
         strategies = default_strategies(
             hot_rows=args.hot_rows,

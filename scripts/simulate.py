@@ -34,7 +34,7 @@ from simulations.cluster import (
     make_policy_model,
     sweep,
 )
-from simulations.costs import CostModel
+from simulations.costs import CostModel, check_renamed
 from simulations.traces import (
     COMPONENTS,
     LLAMA3_GPU_MTBF_HOURS,
@@ -255,6 +255,7 @@ def cost_model(args: argparse.Namespace) -> CostModel:
     )
     for item in args.set:
         name, sep, value = item.partition("=")
+        check_renamed([name.strip()], f"--set {item!r}", CostModel.renamed)
         if not sep or name.strip() not in fields:
             raise ValueError(
                 f"bad --set {item!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}"

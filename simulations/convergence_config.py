@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from parallelism.checks import check_number, check_positive_int
@@ -135,7 +135,8 @@ class ConvergenceSetup:
 
 
 def _fields(obj: Any) -> dict[str, Any]:
-    return {f: getattr(obj, f) for f in obj.__dataclass_fields__}
+    # dataclasses.fields, not __dataclass_fields__: that also holds the ClassVars.
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
 
 
 @dataclass(frozen=True, kw_only=True)

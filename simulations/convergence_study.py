@@ -155,18 +155,14 @@ class ConvergenceExperiment:
         sensitivity = dict(data.pop("sensitivity", {}))
         strategy_texts = list(data.pop("strategies", ["checkfree", "checkfree+", "checkpoint:50"]))
         target = data.pop("target", "auto")
-        check_renamed(time_model, "[time]")
-        check_renamed(sensitivity, "[sensitivity]")
-        for owner, given, klass in (
-            ("[model]", model, ConvergenceSetup),
-            ("[time]", time_model, TimeModel),
-        ):
-            unknown = sorted(set(given) - set(klass.__dataclass_fields__))
-            if unknown:
-                raise ValueError(
-                    f"unknown key(s) {unknown} in {owner}; known: "
-                    f"{sorted(klass.__dataclass_fields__)}"
-                )
+        check_renamed(sensitivity, "[sensitivity]", TimeModel.renamed)
+        times = TimeModel.from_dict(time_model, "[time]")
+        unknown = sorted(set(model) - set(ConvergenceSetup.__dataclass_fields__))
+        if unknown:
+            raise ValueError(
+                f"unknown key(s) {unknown} in [model]; known: "
+                f"{sorted(ConvergenceSetup.__dataclass_fields__)}"
+            )
         allowed = set(cls.__dataclass_fields__) - {
             "setup",
             "times",
@@ -198,7 +194,7 @@ class ConvergenceExperiment:
                 only_rates[strategy.name] = tuple(rates)
         return cls(
             setup=ConvergenceSetup(**model),
-            times=TimeModel(**time_model),
+            times=times,
             strategies=tuple(strategies),
             only_rates=only_rates,
             target=target_value,

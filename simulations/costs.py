@@ -1,24 +1,28 @@
 """What recovery costs: the measured (or assumed) times and sizes every simulator uses.
 
-:class:`CostModel` holds one number per cost a recovery strategy pays -- detection,
-replacement, state transfer, checkpoint writes and loads, the step time, the convergence
-penalty of an approximate recovery. The defaults describe a Llama-3-405B-like job on H100
-nodes; they are order-of-magnitude assumptions, each stated under its field, until
-``scripts/bench.py`` measures them and writes a calibration file that
-:meth:`CostModel.from_json` reads. The module also holds the checkpoint theory the
-simulator is validated against: Young's and Daly's optimal intervals and the expected
-fraction of wall time that checkpoint-restart wastes (see RESEARCH.md, "Failure rates and
-checkpoint theory").
+One cost vocabulary for the three simulators. :class:`Costs` holds what every simulated
+job pays -- the step, the durable checkpoint's write and load -- and :class:`RecoveryCosts`
+adds what replacing dead workers costs -- detection, the replacement, state transfer. Each
+simulator's model is one of them with the defaults of its setting: :class:`CostModel` (the
+cluster simulator, :mod:`simulations.cluster`), :class:`TimeModel` (the convergence
+simulator, :mod:`simulations.convergence`) and :class:`EmbeddingTimeModel` (the embedding
+simulator, :mod:`simulations.embedding`). A field means the same in every model, is
+validated the same way and is read from a user's file by the same
+:meth:`Costs.from_dict`.
 
-The three simulators' models -- :class:`CostModel` (cluster), :class:`TimeModel`
-(convergence) and :class:`EmbeddingTimeModel` (embedding tables) -- describe different
-settings, so their defaults differ, but they name a quantity the same way: a duration is
-``<what>_s`` in seconds of the whole job's wall clock, a size ``<what>_bytes``, a rate
-``<what>_bytes_per_s``; ``step_s`` (one step), ``detect_s`` (death -> the controller acts),
-``replace_s`` (a replacement started and joined), ``checkpoint_write_s`` /
-``checkpoint_load_s`` (the blocking write of one checkpoint / reloading it everywhere) and
-``transfer_bytes_per_s`` (worker-to-worker state copies) mean the same in each. Older
-names are refused with the new one (:func:`check_renamed`).
+Names and units: a duration is ``<what>_s``, in seconds of the whole job's wall clock; a
+size ``<what>_bytes``; a rate ``<what>_bytes_per_s``, in bytes (never bits) per second, so
+a 10 Gb/s link is ``1.25e9``; a count of steps ``<what>_steps``. The shared fields are
+``step_s`` (one failure-free step), ``checkpoint_write_s`` / ``checkpoint_load_s`` (the
+blocking write of one durable checkpoint / loading it after a failure), ``detect_s``
+(death -> the controller acts), ``replace_s`` (a replacement started and joined) and
+``transfer_bytes_per_s`` (worker-to-worker state copies). A name a model used before it
+was unified is refused with its new one (:data:`RENAMED`, :func:`check_renamed`), so a
+user's TOML table, calibration file or flag never silently loses a value.
+
+The module also holds the checkpoint theory the cluster simulator is validated against:
+Young's and Daly's optimal intervals and the expected fraction of wall time that
+checkpoint-restart wastes (see RESEARCH.md, "Failure rates and checkpoint theory").
 """
 
 from __future__ import annotations
@@ -26,12 +30,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
-from parallelism.checks import check_number
 from simulations.policies import SimulatedPolicy
 
 if TYPE_CHECKING:
@@ -40,7 +43,9 @@ if TYPE_CHECKING:
 __all__ = [
     "RENAMED",
     "CostModel",
+    "Costs",
     "EmbeddingTimeModel",
+    "RecoveryCosts",
     "TimeModel",
     "check_renamed",
     "daly_interval",
@@ -49,7 +54,7 @@ __all__ = [
     "young_waste",
 ]
 
-RENAMED = {
+RENAMED: Mapping[str, str] = {
     "checkpoint_save_s": "checkpoint_write_s",
     "checkpoint_reload_s": "checkpoint_load_s",
     "bandwidth_bytes_per_s": "transfer_bytes_per_s",
@@ -57,16 +62,115 @@ RENAMED = {
 """Cost fields renamed so that every model spells a quantity one way: old -> new."""
 
 
-def check_renamed(keys: Iterable[str], where: str) -> None:
-    """Refuse cost fields by their old names (a user's TOML or JSON file).
+def check_renamed(keys: Iterable[str], where: str, renamed: Mapping[str, str] = RENAMED) -> None:
+    """Refuse fields by their old names (a user's TOML or JSON file).
 
     Raises:
         ValueError: naming each old key, its new name, and ``where`` it was found.
     """
-    old = [key for key in keys if key in RENAMED]
+    old = [key for key in keys if key in renamed]
     if old:
-        renames = ", ".join(f"{key!r} is now {RENAMED[key]!r}" for key in old)
+        renames = ", ".join(f"{key!r} is now {renamed[key]!r}" for key in old)
         raise ValueError(f"renamed key(s) in {where}: {renames}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Costs:
+    """What every simulated job pays, whatever its recovery: the fields all three models share.
+
+    A model subclasses this (or :class:`RecoveryCosts`) and gives each field the default
+    of its setting; the meaning stays the one stated here. Every field is a number: not
+    NaN, ``>= 0`` (``> 0`` for the model's ``_POSITIVE`` ones) and finite (except the
+    model's ``_MAY_BE_INF`` ones); the fields named in ``_SETTINGS`` are not costs and are
+    checked by the model.
+
+    Raises:
+        ValueError: naming the model, the field and the bad value.
+    """
+
+    step_s: float
+    """One failure-free optimizer step of the whole job."""
+    checkpoint_write_s: float
+    """Blocking time of one durable checkpoint (the ``C`` of Young/Daly)."""
+    checkpoint_load_s: float
+    """Loading the durable checkpoint after a failure."""
+
+    _POSITIVE: ClassVar[frozenset[str]] = frozenset()
+    _MAY_BE_INF: ClassVar[frozenset[str]] = frozenset()
+    _SETTINGS: ClassVar[frozenset[str]] = frozenset()
+    renamed: ClassVar[Mapping[str, str]] = RENAMED
+    """This model's old field names -> new ones (refused by :meth:`from_dict`)."""
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        for f in dataclasses.fields(self):
+            if f.name in self._SETTINGS:
+                continue
+            name, value = f"{owner}.{f.name}", getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            if f.name in self._POSITIVE and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+            if math.isnan(value) or value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value!r}")
+            if math.isinf(value) and f.name not in self._MAY_BE_INF:
+                raise ValueError(f"{name} must be finite, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str | None = None) -> Self:
+        """Build from a mapping of field names to values; absent fields keep the defaults.
+
+        Keys starting with ``_`` are metadata (provenance, units) and are ignored.
+        ``where`` names the source in errors (e.g. ``"[time]"``).
+
+        Raises:
+            ValueError: for a field by its old name (naming the new one), an unknown
+                field, or a bad value.
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(
+                f"a {cls.__name__} must be a JSON object or TOML table, got {type(data).__name__}"
+            )
+        values = {k: v for k, v in data.items() if not str(k).startswith("_")}
+        check_renamed(values, where or cls.__name__, cls.renamed)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            place = f" in {where}" if where else ""
+            raise ValueError(
+                f"unknown {cls.__name__} field(s) {unknown}{place}; known: {sorted(known)}"
+            )
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain mapping (what :meth:`from_dict` reads back)."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecoveryCosts(Costs):
+    """:class:`Costs` plus what replacing dead workers costs, for the models that charge a
+    recovery by its parts (the cluster and embedding simulators; the convergence simulator
+    charges one ``recovery_s``).
+
+    Raises:
+        ValueError: naming the model, the field and the bad value.
+    """
+
+    detect_s: float
+    """From a worker's death to the controller acting on it."""
+    replace_s: float
+    """Starting one replacement worker and having it join the job."""
+    transfer_bytes_per_s: float
+    """Worker-to-worker bandwidth for state copies, in bytes per second (> 0; ``inf``:
+    free transfer)."""
+
+    _POSITIVE: ClassVar[frozenset[str]] = frozenset({"transfer_bytes_per_s"})
+    _MAY_BE_INF: ClassVar[frozenset[str]] = frozenset({"transfer_bytes_per_s"})
+
+    def transfer_s(self, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` over one worker-to-worker link."""
+        return nbytes / self.transfer_bytes_per_s
 
 
 # A Llama-3-405B-like model: 405e9 parameters; training state per parameter = bf16 weight
@@ -75,8 +179,9 @@ _PARAMS_405B = 405e9
 
 
 @dataclass(frozen=True, kw_only=True)
-class CostModel:
-    """The costs of failure and recovery for one model on one kind of hardware.
+class CostModel(RecoveryCosts):
+    """The cluster simulator's costs of failure and recovery for one model on one kind of
+    hardware.
 
     Every time is in seconds of wall-clock time as the *whole job* sees it (a recovery
     stalls every worker, see ``[Note: simulator model]`` in :mod:`simulations.cluster`).
@@ -84,8 +189,9 @@ class CostModel:
     others keep the defaults below.
 
     Raises:
-        ValueError: if a field is negative, not finite where it must be, or of the wrong
-            type (the message names the field and the value).
+        ValueError: if a field is negative, not finite where it must be (only
+            ``transfer_bytes_per_s`` may be ``inf``), or of the wrong type (the message
+            names the field and the value).
     """
 
     detect_s: float = 10.0
@@ -152,43 +258,12 @@ class CostModel:
     restored shard, per unit share of the model the shard holds (the PLS proxy: a shard
     with share f restored ``a`` seconds stale costs ``scale * f * a`` seconds)."""
 
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"CostModel.{field.name} must be a number, got {value!r}")
-            if math.isnan(value) or value < 0:
-                raise ValueError(f"CostModel.{field.name} must be >= 0, got {value!r}")
-            if math.isinf(value) and field.name != "transfer_bytes_per_s":
-                raise ValueError(f"CostModel.{field.name} must be finite, got {value!r}")
-        if self.transfer_bytes_per_s == 0:
-            raise ValueError("CostModel.transfer_bytes_per_s must be > 0 (inf for free transfer)")
-
     @classmethod
     def zero(cls) -> CostModel:
         """Every recovery free and instantaneous: the simulator must report goodput 1."""
         fields = {f.name: 0.0 for f in dataclasses.fields(cls)}
         fields["transfer_bytes_per_s"] = math.inf
         return cls(**fields)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> CostModel:
-        """Build from a mapping of field names to numbers; absent fields keep defaults.
-
-        Keys starting with ``_`` are metadata (provenance, units) and are ignored.
-
-        Raises:
-            ValueError: on an unknown field or a bad value.
-        """
-        if not isinstance(data, dict):
-            raise ValueError(f"a cost model must be a JSON object, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in data.items() if not str(k).startswith("_")}
-        check_renamed(values, "the cost model")
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown CostModel field(s) {unknown}; known: {sorted(known)}")
-        return cls(**values)
 
     @classmethod
     def from_json(cls, path: str | Path) -> CostModel:
@@ -209,10 +284,6 @@ class CostModel:
             return cls.from_dict(data)
         except ValueError as err:
             raise ValueError(f"calibration file {path}: {err}") from err
-
-    def to_dict(self) -> dict[str, float]:
-        """The fields as a plain mapping (what :meth:`from_dict` reads back)."""
-        return dataclasses.asdict(self)
 
     def to_json(self, path: str | Path) -> None:
         """Write every field to ``path`` as a JSON object (``inf`` as ``Infinity``).
@@ -296,8 +367,9 @@ def daly_waste(*, interval_s: float, checkpoint_s: float, restart_s: float, mtbf
 
 
 @dataclass(frozen=True, kw_only=True)
-class TimeModel:
-    """Modelled wall-clock costs, in seconds (see [Note: convergence simulator model]).
+class TimeModel(Costs):
+    """The convergence simulator's wall-clock costs, in seconds (see [Note: convergence
+    simulator model]).
 
     The defaults describe the paper's setting -- pipeline stages on cheap, unreliable,
     geo-distributed nodes -- rather than a datacenter: a step of a 124M-1.5B model whose
@@ -326,14 +398,13 @@ class TimeModel:
     successor's forward pass; with backward = 2 x forward that is +1/3 of the compute,
     assumed not hidden in pipeline bubbles."""
 
+    _POSITIVE: ClassVar[frozenset[str]] = frozenset({"step_s", "redundant_factor"})
+
     def __post_init__(self) -> None:
-        check_number("TimeModel step_s", self.step_s, positive=True)
-        for name in ("recovery_s", "checkpoint_write_s", "checkpoint_load_s", "failover_s"):
-            check_number(f"TimeModel {name}", getattr(self, name), minimum=0.0)
-        check_number("TimeModel redundant_factor", self.redundant_factor, positive=True)
+        super().__post_init__()
         if self.redundant_factor < 1:
             raise ValueError(
-                f"TimeModel redundant_factor must be >= 1, got {self.redundant_factor!r}"
+                f"TimeModel.redundant_factor must be >= 1, got {self.redundant_factor!r}"
             )
 
     def step_time(self, policy: ConvergencePolicy) -> float:
@@ -343,11 +414,12 @@ class TimeModel:
 
 
 @dataclass(frozen=True, kw_only=True)
-class EmbeddingTimeModel:
-    """Modelled wall-clock costs. See [Note: embedding simulator model].
+class EmbeddingTimeModel(RecoveryCosts):
+    """The embedding simulator's wall-clock costs. See [Note: embedding simulator model].
 
     Raises:
-        ValueError: naming a bad field and value.
+        ValueError: naming a bad field and value (``step_s`` and
+            ``transfer_bytes_per_s`` must be > 0).
     """
 
     step_s: float = 1.0
@@ -362,17 +434,20 @@ class EmbeddingTimeModel:
     """Starting a replacement worker and forming the new process groups."""
     transfer_bytes_per_s: float = 1.25e9
     """Worker-to-worker bandwidth (10 Gb/s) for mirror traffic and peer state copies."""
-    interval: str = "daly"
-    """``"daly"`` or ``"young"``: which optimal checkpoint interval to use by default."""
+    checkpoint_formula: str = "daly"
+    """``"daly"`` or ``"young"``: which optimal checkpoint interval to use by default (as
+    the cluster simulator's ``--checkpoint-formula``)."""
+
+    _POSITIVE: ClassVar[frozenset[str]] = frozenset({"step_s", "transfer_bytes_per_s"})
+    _SETTINGS: ClassVar[frozenset[str]] = frozenset({"checkpoint_formula"})
+    renamed: ClassVar[Mapping[str, str]] = {**RENAMED, "interval": "checkpoint_formula"}
 
     def __post_init__(self) -> None:
-        for name in ("step_s", "transfer_bytes_per_s"):
-            check_number(f"EmbeddingTimeModel.{name}", getattr(self, name), positive=True)
-        for name in ("checkpoint_write_s", "checkpoint_load_s", "detect_s", "replace_s"):
-            check_number(f"EmbeddingTimeModel.{name}", getattr(self, name), minimum=0.0)
-        if self.interval not in ("daly", "young"):
+        super().__post_init__()
+        if self.checkpoint_formula not in ("daly", "young"):
             raise ValueError(
-                f"EmbeddingTimeModel.interval must be 'daly' or 'young', got {self.interval!r}"
+                "EmbeddingTimeModel.checkpoint_formula must be 'daly' or 'young', "
+                f"got {self.checkpoint_formula!r}"
             )
 
     def checkpoint_every(self, steps: int, failures: int) -> int:
@@ -384,9 +459,6 @@ class EmbeddingTimeModel:
         if failures <= 0:
             return steps
         mtbf = steps * self.step_s / failures
-        fn = daly_interval if self.interval == "daly" else young_interval
+        fn = daly_interval if self.checkpoint_formula == "daly" else young_interval
         seconds = fn(self.checkpoint_write_s, mtbf)
         return max(1, min(steps, round(seconds / self.step_s)))
-
-    def transfer_s(self, nbytes: float) -> float:
-        return nbytes / self.transfer_bytes_per_s

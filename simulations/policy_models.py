@@ -209,8 +209,7 @@ class SimContext:
     def transfer_s(self, nbytes: float) -> float:
         """Seconds to move ``nbytes`` of one replica's state into a worker, each GPU
         receiving its ``1 / (pp * tp)`` shard in parallel."""
-        per_gpu = nbytes / (self.job.layout.pp * self.job.layout.tp)
-        return per_gpu / self.costs.transfer_bytes_per_s
+        return self.costs.transfer_s(nbytes / (self.job.layout.pp * self.job.layout.tp))
 
 
 class PolicyModel(ABC):

@@ -709,6 +709,7 @@ def test_simulate_cli_weibull_and_correlated_failures(capsys: pytest.CaptureFixt
         (["--gpus", "64", "--mtbf-hours", "-5"], "mtbf_hours"),
         (["--gpus", "64", "--strategies", "magic"], "unknown strategy"),
         (["--gpus", "64", "--set", "detect=1"], "bad --set"),
+        (["--gpus", "64", "--set", "checkpoint_save_s=1"], "'checkpoint_save_s' is now"),
     ],
 )
 def test_simulate_cli_reports_bad_input(
