@@ -41,7 +41,10 @@ from parallelism.topology import Topology
 
 BACKENDS = ("gloo", "nccl")
 
-# dtype codes for activation metadata headers (see `send_tensor`).
+Activation = torch.Tensor | tuple[torch.Tensor, ...]
+"""What one stage passes to the next: one tensor, or a tuple of tensors."""
+
+# dtype codes for activation metadata headers (see `send_activation`).
 _DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
     torch.float16,
@@ -53,7 +56,7 @@ _DTYPES: tuple[torch.dtype, ...] = (
     torch.bool,
 )
 _MAX_DIMS = 8
-_HEADER_LEN = 2 + _MAX_DIMS
+_HEADER_LEN = 4 + _MAX_DIMS  # ndim, dtype, tuple size, requires grad, shape
 
 
 def default_backend() -> str:
@@ -357,30 +360,55 @@ class StageComm:
         for work, _, dst in pending:
             self.wait(work, dst)
 
-    def send_tensor(self, tensor: torch.Tensor, dst: int) -> None:
-        """Send a tensor of any shape and dtype, preceded by a small metadata header.
+    def send_activation(self, value: Activation, dst: int) -> None:
+        """Send an activation -- one tensor, or a tuple of tensors -- of any shapes and dtypes.
 
-        The receiver needs no prior knowledge of the shape: `recv_tensor` reads the header
-        first. Users never declare activation shapes.
+        Each tensor is preceded by a small metadata header (its shape, dtype, whether it
+        requires a gradient, and how many tensors the tuple holds), so the receiver needs
+        no prior knowledge: `recv_activation` reads the headers. Users never declare
+        activation shapes. A tuple is what a stage split off a model by
+        ``torch.distributed.pipelining`` passes on when several values cross the split
+        (GPT-2 passes its hidden states and its attention mask).
         """
-        if tensor.dim() > _MAX_DIMS:
-            raise ValueError(f"cannot send a tensor of {tensor.dim()} dims (max {_MAX_DIMS})")
-        if tensor.dtype not in _DTYPES:
-            raise ValueError(f"cannot send dtype {tensor.dtype}; supported: {_DTYPES}")
-        header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
-        header[0] = tensor.dim()
-        header[1] = _DTYPES.index(tensor.dtype)
-        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-        self.isend(header.to(self.device), dst)
-        self.isend(tensor.detach(), dst)
+        tensors = value if isinstance(value, tuple) else (value,)
+        if not tensors:
+            raise ValueError("cannot send an empty tuple of tensors")
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(
+                    f"a stage must return a tensor or a tuple of tensors, got "
+                    f"{type(tensor).__name__}"
+                )
+            if tensor.dim() > _MAX_DIMS:
+                raise ValueError(f"cannot send a tensor of {tensor.dim()} dims (max {_MAX_DIMS})")
+            if tensor.dtype not in _DTYPES:
+                raise ValueError(f"cannot send dtype {tensor.dtype}; supported: {_DTYPES}")
+            header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+            header[0] = tensor.dim()
+            header[1] = _DTYPES.index(tensor.dtype)
+            header[2] = len(tensors) if isinstance(value, tuple) else 0
+            header[3] = int(tensor.requires_grad)
+            header[4 : 4 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+            self.isend(header.to(self.device), dst)
+            self.isend(tensor.detach(), dst)
 
-    def recv_tensor(self, src: int) -> torch.Tensor:
-        """Receive a tensor sent with `send_tensor`."""
-        header = self.recv(torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device), src)
-        meta = header.tolist()
-        ndim, dtype = int(meta[0]), _DTYPES[int(meta[1])]
-        shape = [int(d) for d in meta[2 : 2 + ndim]]
-        return self.recv(torch.empty(shape, dtype=dtype, device=self.device), src)
+    def recv_activation(self, src: int) -> Activation:
+        """Receive an activation sent with `send_activation`.
+
+        A received tensor requires a gradient exactly when the sent one did, so the
+        backward pass sends gradients back for those and only those (`activation_grads`).
+        """
+        tensors: list[torch.Tensor] = []
+        count = 1
+        while len(tensors) < count:
+            header = self.recv(torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device), src)
+            meta = header.tolist()
+            ndim, dtype, size, grad = int(meta[0]), _DTYPES[int(meta[1])], meta[2], meta[3]
+            shape = [int(d) for d in meta[4 : 4 + ndim]]
+            tensor = self.recv(torch.empty(shape, dtype=dtype, device=self.device), src)
+            tensors.append(tensor.requires_grad_(bool(grad)))
+            count = max(1, int(size))
+        return tuple(tensors) if int(size) else tensors[0]
 
     # -- the side group (host memory, another thread) ----------------------------------
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from parallelism.comm import StageComm
+from parallelism.comm import Activation, StageComm
 from parallelism.schedule import Op, Schedule
 from parallelism.topology import Topology
 
@@ -55,16 +55,25 @@ class StepStats:
 
 
 def call_stage(
-    module: nn.Module, x: torch.Tensor, *, first: bool, last: bool, natural: bool
-) -> torch.Tensor:
+    module: nn.Module, x: Activation, *, first: bool, last: bool, natural: bool
+) -> Activation:
     """Call a stage module, telling it its route position only when that is not its usual one.
 
-    Plain user modules take one tensor; a module that can stand in for the first or last
-    stage (CheckFree+) accepts ``first=`` / ``last=`` keywords.
+    Plain user modules take one tensor (a tuple of tensors is passed as that many
+    arguments: what a stage split by ``torch.distributed.pipelining`` takes when several
+    values cross the split); a module that can stand in for the first or last stage
+    (CheckFree+) accepts ``first=`` / ``last=`` keywords.
     """
+    args = x if isinstance(x, tuple) else (x,)
     if natural:
-        return module(x)
-    return module(x, first=first, last=last)
+        return module(*args)
+    return module(*args, first=first, last=last)
+
+
+def _needs_grad(value: Activation) -> list[torch.Tensor]:
+    """The tensors of an activation that take part in the backward pass."""
+    tensors = value if isinstance(value, tuple) else (value,)
+    return [t for t in tensors if t.requires_grad]
 
 
 class StageEngine:
@@ -137,10 +146,10 @@ class StageEngine:
         actions = schedule.for_stage(self.stage)
         num_mb = schedule.num_microbatches
         training = schedule.has_backward()
-        received: dict[int, torch.Tensor] = {}
-        stage_in: dict[int, torch.Tensor] = {}
-        stage_out: dict[int, torch.Tensor] = {}
-        grad_out: dict[int, torch.Tensor] = {}
+        received: dict[int, Activation] = {}
+        stage_in: dict[int, Activation] = {}
+        stage_out: dict[int, Activation] = {}
+        grad_out: dict[int, list[torch.Tensor]] = {}
         t0 = time.perf_counter()
         hook(BEFORE_FORWARD)
         mid = len(actions) // 2
@@ -152,7 +161,7 @@ class StageEngine:
                 m = action.microbatch
                 if action.op is Op.RECV_F:
                     assert comm is not None and action.peer is not None
-                    received[m] = comm.recv_tensor(self._rank(action.peer))
+                    received[m] = comm.recv_activation(self._rank(action.peer))
                 elif action.op is Op.FORWARD:
                     start = time.perf_counter()
                     first = schedule.first_stage(m) == self.stage
@@ -160,14 +169,15 @@ class StageEngine:
                     natural = first == (self.stage == 0) and last == (
                         self.stage == self.topology.stages - 1
                     )
-                    if first:
-                        x = inputs[m].to(self.device, non_blocking=True)
-                    else:
-                        x = received.pop(m)
-                        if training and x.is_floating_point():
-                            x.requires_grad_(True)
+                    # A received activation requires a gradient where the sender's did.
+                    x = inputs[m].to(self.device, non_blocking=True) if first else received.pop(m)
                     out = call_stage(self.module, x, first=first, last=last, natural=natural)
                     if last:
+                        if not isinstance(out, torch.Tensor):
+                            raise ValueError(
+                                f"the last stage must return one tensor (the loss function's "
+                                f"input), got {type(out).__name__}"
+                            )
                         loss = self.loss_fn(out, targets[m].to(self.device, non_blocking=True))
                         stats.loss_sum += float(loss.detach())
                         stats.losses += 1
@@ -178,33 +188,37 @@ class StageEngine:
                     stats.timeline.append((str(action), start - t0, end - t0))
                 elif action.op is Op.SEND_F:
                     assert comm is not None and action.peer is not None
-                    comm.send_tensor(stage_out[m], self._rank(action.peer))
+                    comm.send_activation(stage_out[m], self._rank(action.peer))
                     if not training:
                         stage_out.pop(m)
                         stage_in.pop(m)
                 elif action.op is Op.RECV_B:
                     assert comm is not None and action.peer is not None
-                    like = stage_out[m]
-                    grad_out[m] = comm.recv(
-                        torch.empty(like.shape, dtype=like.dtype, device=self.device),
-                        self._rank(action.peer),
-                    )
+                    grad_out[m] = [
+                        comm.recv(
+                            torch.empty(like.shape, dtype=like.dtype, device=self.device),
+                            self._rank(action.peer),
+                        )
+                        for like in _needs_grad(stage_out[m])
+                    ]
                 elif action.op is Op.BACKWARD:
                     start = time.perf_counter()
                     out = stage_out.pop(m)
                     if m in grad_out:
-                        out.backward(grad_out.pop(m))
+                        torch.autograd.backward(_needs_grad(out), grad_out.pop(m))
                     else:
+                        assert isinstance(out, torch.Tensor)  # the loss
                         out.backward()
                     end = time.perf_counter()
                     stats.compute_s += end - start
                     stats.timeline.append((str(action), start - t0, end - t0))
                 elif action.op is Op.SEND_B:
                     assert comm is not None and action.peer is not None
-                    x = stage_in.pop(m)
-                    assert x.grad is not None, f"no input gradient for {action}"
-                    # The receiver knows the shape (its own output's), so no header.
-                    comm.isend(x.grad, self._rank(action.peer))
+                    # The receiver knows the shapes (its own output's), so no header; an
+                    # input the stage did not use gets a zero gradient.
+                    for x in _needs_grad(stage_in.pop(m)):
+                        grad = x.grad if x.grad is not None else torch.zeros_like(x)
+                        comm.isend(grad, self._rank(action.peer))
                 if action.op is Op.BACKWARD and schedule.first_stage(m) == self.stage:
                     stage_in.pop(m, None)
             if comm is not None:

@@ -16,6 +16,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from parallelism.comm import Activation
 from parallelism.engine import call_stage, clip_gradients
 from parallelism.seeding import seed_everything
 from recovery.spec import Batch, TrainSpec, apply_lr_schedule
@@ -70,9 +71,11 @@ def train_reference(
         for chunk_in, chunk_tgt in zip(
             inputs.chunk(accumulate), targets.chunk(accumulate), strict=True
         ):
-            x = chunk_in
+            x: Activation = chunk_in
             for s, module in enumerate(modules):
                 x = call_stage(module, x, first=s == 0, last=s == stages - 1, natural=True)
+            if not isinstance(x, torch.Tensor):
+                raise ValueError(f"the last stage must return one tensor, got {type(x).__name__}")
             loss = spec.loss_fn(x, chunk_tgt) / accumulate
             loss.backward()
             total += float(loss.detach())

@@ -31,7 +31,7 @@ def test_a_receive_waits_for_a_slow_sender_and_a_collective_for_a_slow_peer() ->
 
     def slow_send() -> None:
         time.sleep(0.4)
-        recv_comms[0].send_tensor(torch.arange(6.0).reshape(2, 3), 1)
+        recv_comms[0].send_activation(torch.arange(6.0).reshape(2, 3), 1)
         recv_comms[0].wait_sends()
 
     def slow_reduce() -> None:
@@ -42,7 +42,7 @@ def test_a_receive_waits_for_a_slow_sender_and_a_collective_for_a_slow_peer() ->
 
     with ThreadPoolExecutor(2) as pool:
         sent = pool.submit(slow_send)
-        got = recv_comms[1].recv_tensor(0)
+        got = recv_comms[1].recv_activation(0)
         sent.result(timeout=10)
         peer = pool.submit(slow_reduce)
         mine = torch.ones(4)

@@ -120,7 +120,7 @@ def test_closing_a_worker_wakes_peers_blocked_on_it() -> None:
     def blocked() -> float:
         start = time.perf_counter()
         with pytest.raises(RuntimeError):
-            comms[0].recv_tensor(1)
+            comms[0].recv_activation(1)
         return time.perf_counter() - start
 
     def gives_up() -> None:
