@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +22,7 @@ from torch import nn
 
 from parallelism.schedule import SCHEDULES
 from parallelism.seeding import seed_everything
+from parallelism.split import ModelSplit
 from parallelism.topology import Topology
 from parallelism.workloads.clicks import ClickBatch
 from parallelism.workloads.dlrm import DLRMTraining
@@ -183,9 +184,14 @@ class TrainSpec:
             raise ValueError(
                 f"swapped routes (CheckFree+) need at least 4 stages, got {topology.stages}"
             )
-        _, targets = self.split(self.batches(0, 0, topology.replicas), step=0, replica=0)
+        inputs, targets = self.split(self.batches(0, 0, topology.replicas), step=0, replica=0)
+        held_out: list[torch.Tensor] = []
         if self.val_batches is not None:
-            self.split(self.val_batches(0, 0, topology.replicas), step=0, replica=0)
+            held_out, _ = self.split(self.val_batches(0, 0, topology.replicas), step=0, replica=0)
+        if isinstance(self.build_stage, ModelSplit):
+            self.build_stage.check_microbatch(inputs[0], "batches(0, 0, ...)")
+            if held_out:
+                self.build_stage.check_microbatch(held_out[0], "val_batches(0, 0, ...)")
         return sum(int(t.numel()) for t in targets) * topology.replicas
 
     def _check_tables(self, topology: Topology) -> int:
@@ -214,6 +220,76 @@ class TrainSpec:
                 )
             sizes.add(len(batch))
         return min(sizes) * topology.replicas
+
+    # -- the user's own model ------------------------------------------------------------
+
+    @classmethod
+    def from_module(
+        cls,
+        make_model: Callable[[], nn.Module],
+        *,
+        example_input: torch.Tensor,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+        batches: BatchFn,
+        split_points: Sequence[str] | None = None,
+        num_stages: int | None = None,
+        microbatches: int = 4,
+        seed: int = 0,
+        val_batches: BatchFn | None = None,
+        schedule: str = "1f1b",
+        clip_grad_norm: float | None = None,
+        lr_schedule: Callable[[int], float] | None = None,
+        name: str | None = None,
+    ) -> TrainSpec:
+        """Train the user's whole model, cut into pipeline stages by torch's pipelining.
+
+        Every worker builds ``make_model()`` from the job's seed and keeps its own stage,
+        split off by ``torch.distributed.pipelining`` (see [Note: splitting a model] in
+        ``parallelism/split.py``): the stages compute what the unsplit model computes.
+
+        Args:
+            make_model: ``() -> nn.Module``, the whole model (picklable: a module-level
+                function, a class, a ``functools.partial``).
+            example_input: one microbatch of inputs; every microbatch of the run must have
+                its shape and dtype (the trace records them).
+            loss_fn, make_optimizer, batches, val_batches: as for `TrainSpec`;
+                `recovery.batches_from_dataset` makes ``batches`` from a ``Dataset``.
+            split_points: module paths, each the first module of a new stage
+                (``["layers.2"]``: two stages); or ``num_stages``, the job's stage count,
+                for parameter-balanced points; neither: balanced for the job's topology.
+
+        Raises:
+            ValueError: for both ``split_points`` and ``num_stages``, a bad callback, or --
+                on the driver before any worker starts -- a model that cannot be traced or
+                split there, weights tied across stages, or an empty stage.
+        """
+        if split_points is not None and num_stages is not None:
+            raise ValueError("give split_points or num_stages, not both")
+        if num_stages is not None and (
+            isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1
+        ):
+            raise ValueError(f"num_stages must be an integer >= 1, got {num_stages!r}")
+        splitter = ModelSplit(
+            make_model=make_model,
+            example_input=example_input,
+            split_points=None if split_points is None else tuple(split_points),
+            seed=seed,
+        )
+        return cls(
+            build_stage=splitter,
+            loss_fn=loss_fn,
+            make_optimizer=make_optimizer,
+            batches=batches,
+            val_batches=val_batches,
+            microbatches=microbatches,
+            seed=seed,
+            schedule=schedule,
+            clip_grad_norm=clip_grad_norm,
+            lr_schedule=lr_schedule,
+            check_stages=functools.partial(_check_split, splitter, num_stages),
+            name=name if name else str(getattr(make_model, "__name__", "module")),
+        )
 
     # -- ready-made workloads ------------------------------------------------------------
 
@@ -369,6 +445,15 @@ class TrainSpec:
             + ("-checkfree+" if checkfree_plus else "")
             + ("-zero1" if shard_optimizer else ""),
         )
+
+
+def _check_split(splitter: ModelSplit, num_stages: int | None, stages: int) -> list[str]:
+    """`TrainSpec.from_module`'s driver-side check: the split works for the job's stages."""
+    if num_stages is not None and num_stages != stages:
+        raise ValueError(
+            f"the model was given num_stages={num_stages}, but the job has {stages} stages"
+        )
+    return splitter.check(stages)
 
 
 def _dense_stage(config: object, stage: int, num_stages: int) -> nn.Module:

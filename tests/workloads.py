@@ -75,3 +75,63 @@ class EchoWorker(StageWorker):
 
     def boom(self) -> None:
         raise KeyError("user code failed")
+
+
+# -- a whole model for `TrainSpec.from_module`, and a map-style dataset ----------------------
+
+
+class MaskedBlock(nn.Module):
+    """Causal self-attention and an MLP, each residual; takes the mask as a second input."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, 2, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        a, _ = self.attn(h, h, h, attn_mask=mask, need_weights=False)
+        return x + a + self.mlp(x + a)
+
+
+class TinyLM(nn.Module):
+    """A whole decoder, written as a user would, never cut into stages by hand. Its mask is
+    made once before the blocks, so it crosses every split point beside the hidden state."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16, blocks: int = 4, tied: bool = False):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(MaskedBlock(dim) for _ in range(blocks))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        n = tokens.shape[1]
+        mask = torch.triu(torch.full((n, n), float("-inf")), diagonal=1)
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.norm(x))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class TokenSequences(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """``size`` generated sequences of ``length + 1`` tokens; item = (inputs, next tokens).
+    Every item is a pure function of its index."""
+
+    def __init__(self, size: int = 64, length: int = 8, vocab: int = 32) -> None:
+        self.size, self.length, self.vocab = size, length, vocab
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(7_919 * index + 1)
+        tokens = torch.randint(self.vocab, (self.length + 1,), generator=g)
+        return tokens[:-1], tokens[1:]
