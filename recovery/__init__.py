@@ -1,5 +1,6 @@
 """What happens when workers die: detection, planning, strategies, the Ray runtime, the public API."""
 
+from parallelism.datasets import batches_from_dataset
 from recovery.errors import RecoveryError, RedundancyExhausted
 from recovery.events import RecoveryEvent
 from recovery.faults import Corrupt, FailureSchedule, Hang, Kill, KillNode, KillPoint
@@ -23,4 +24,5 @@ __all__ = [
     "RedundancyExhausted",
     "TrainSpec",
     "Trainer",
+    "batches_from_dataset",
 ]
