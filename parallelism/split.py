@@ -29,6 +29,11 @@ passes its hidden states and its attention mask).
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import io
+import os
+import re
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -215,7 +220,12 @@ class ModelSplit:
             return model, [model]
         from torch.distributed.pipelining import SplitPoint, pipeline
 
-        with warnings.catch_warnings():
+        # The tracer prints the graph it gave up on; the error below says what matters.
+        with (
+            warnings.catch_warnings(),
+            contextlib.redirect_stdout(io.StringIO()),
+            contextlib.redirect_stderr(io.StringIO()),
+        ):
             warnings.simplefilter("ignore")
             try:
                 pipe = pipeline(
@@ -224,12 +234,10 @@ class ModelSplit:
                     split_spec=dict.fromkeys(points, SplitPoint.BEGINNING),
                 )
             except Exception as err:
-                reason = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
                 raise ValueError(
                     f"cannot split {type(model).__name__} at {points}: torch.export could not "
-                    f"trace it ({type(err).__name__}: {reason}). Pipelining needs a model "
-                    "without data-dependent control flow; see "
-                    "https://pytorch.org/docs/stable/export.html"
+                    f"trace it. {_trace_failure(model, err)} Pipelining needs a model without "
+                    "data-dependent control flow; see https://pytorch.org/docs/stable/export.html"
                 ) from err
         if pipe.num_stages != num_stages:
             raise ValueError(
@@ -381,6 +389,42 @@ def _carry_forward(self: nn.Module, *values: Any) -> Any:
         known[name] = out if index is None else out[index]
     passed = tuple(known[name] for name in carry.passes)
     return passed[0] if len(passed) == 1 else passed
+
+
+def _trace_failure(model: nn.Module, err: BaseException) -> str:
+    """The tracer's reason, and where in the user's model it gave up: the module path(s)
+    whose ``forward`` holds the failing line, and the line."""
+    chain = [err]
+    while (cause := chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 8:
+        chain.append(cause)
+    innermost = chain[-1]
+    reason = (str(innermost).strip().splitlines() or [repr(innermost)])[0]
+    text = "\n".join(str(e) for e in chain)
+    where = ""
+    found = re.findall(r'File "([^"]+)", line (\d+), in (\w+)\n\s*(.*)', text)
+    if found:
+        path, line, _, code = found[-1]
+        modules = [
+            name or type(model).__name__
+            for name, module in model.named_modules()
+            if _defines_line(type(module), path, int(line))
+        ]
+        place = f"in {', '.join(modules[:3])} " if modules else ""
+        where = f" It failed {place}at {path}:{line}: {code.strip()}."
+    return f"{type(innermost).__name__}: {reason}.{where}"
+
+
+def _defines_line(cls: type, path: str, line: int) -> bool:
+    forward = cls.__dict__.get("forward")
+    if forward is None:
+        return False
+    try:
+        lines, start = inspect.getsourcelines(forward)
+        return os.path.samefile(inspect.getfile(forward), path) and start <= line < start + len(
+            lines
+        )
+    except (OSError, TypeError):
+        return False
 
 
 def _blocks_or_none(model: nn.Module) -> tuple[str, list[str]]:

@@ -162,7 +162,11 @@ def no_workers(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("overrides", "stages", "message"),
     [
-        (dict(make_model=Untraceable), 2, r"cannot split Untraceable .*torch.export could not"),
+        (
+            dict(make_model=Untraceable),
+            2,
+            r"could not trace it.* failed in Untraceable at .*test_split.py:\d+: if x.sum\(\) > 0",
+        ),
         (dict(split_points=["blocks.9"]), 2, r"split point 'blocks.9' names no module of TinyLM"),
         (dict(split_points=["blocks.1", "blocks.3"]), 2, r"2 split points make 3 stages"),
         (dict(make_model=functools.partial(TinyLM, tied=True)), 2, r"tied across stages: "),
