@@ -38,7 +38,8 @@ def dumps(obj: object) -> str:
 
 
 class RunDir:
-    """A run folder, created on construction.
+    """A run folder, created when the first file is written into it -- so a run refused
+    for bad input leaves no folder behind.
 
     Raises:
         ValueError: if ``path`` exists and is not a directory.
@@ -48,6 +49,8 @@ class RunDir:
         self.path = Path(path)
         if self.path.exists() and not self.path.is_dir():
             raise ValueError(f"run folder {self.path} exists and is not a directory")
+
+    def _create(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
 
     @classmethod
@@ -66,6 +69,7 @@ class RunDir:
 
     def write_json(self, name: str, payload: Mapping[str, Any]) -> Path:
         """Write ``payload`` to ``name`` atomically (temp file, then rename)."""
+        self._create()
         target = self.file(name)
         tmp = target.with_suffix(target.suffix + ".tmp")
         tmp.write_text(json.dumps(payload, default=_json_default, indent=2) + "\n")
@@ -74,6 +78,7 @@ class RunDir:
 
     def append(self, name: str, record: Mapping[str, Any]) -> None:
         """Append one JSON line to ``name`` and flush it."""
+        self._create()
         with self.file(name).open("a") as fh:
             fh.write(dumps(record) + "\n")
 

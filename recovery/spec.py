@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from parallelism.checks import check_int, check_number
 from parallelism.schedule import SCHEDULES
 from parallelism.seeding import seed_everything
 from parallelism.split import ModelSplit
@@ -322,6 +323,8 @@ class TrainSpec:
         Raises:
             ValueError: for an unknown preset, a bad size, or a bad data file.
         """
+        check_number("sparse_lr", sparse_lr, positive=True)
+        check_number("dense_lr", dense_lr, positive=True)
         from parallelism.workloads.clicks import ClickDataset, ClickLogs, read_criteo
         from parallelism.workloads.dlrm import DLRMConfig, dlrm_loss
 
@@ -397,6 +400,9 @@ class TrainSpec:
         Raises:
             ValueError: for an unknown preset, a bad size, or a missing data file.
         """
+        check_number("lr", lr, positive=True)
+        check_number("weight_decay", weight_decay, minimum=0.0)
+        check_int("warmup_steps", warmup_steps, minimum=0)
         from parallelism.workloads.data import LMBatches, TokenCorpus
         from parallelism.workloads.llama import (
             LlamaConfig,

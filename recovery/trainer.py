@@ -141,6 +141,11 @@ class Trainer:
         if not isinstance(failures, FailureSchedule):
             raise ValueError(f"failures must be a FailureSchedule, got {type(failures).__name__}")
         failures.check(topology)
+        if policy.hot_spares > topology.world_size:
+            raise ValueError(
+                f"hot_spares={policy.hot_spares} exceeds the job's {topology.world_size} workers: "
+                "each spare holds a process (and, under NCCL, a GPU) idle"
+            )
         if policy.swapped_routes and (spec.routes != "swapped" or spec.shared_params is None):
             raise ValueError(
                 "RecoveryPolicy(approximate='checkfree+') needs a model trained for it: swapped "
@@ -199,12 +204,12 @@ class Trainer:
             on_step=on_step,
             on_event=on_event,
         )
-        if run_dir is not None:
-            run_dir.write_json("config.json", self._describe(steps))
         t0 = time.perf_counter()
         try:
-            controller.start()
+            controller.start()  # validates the spec before any worker starts
             startup_s = time.perf_counter() - t0
+            if run_dir is not None:
+                run_dir.write_json("config.json", self._describe(steps))
             if controller.resumed_from is not None:
                 self._note_resume(controller, bar)
             controller.run(steps)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from parallelism import Topology
-from recovery import Trainer, TrainSpec
+from recovery import RecoveryPolicy, Trainer, TrainSpec
 from recovery.runtime.membership import Membership
 from tests.workloads import mlp_spec, tiny_llama
 
@@ -74,3 +74,63 @@ def test_bad_trainer_arguments(kwargs: dict[str, object], message: str) -> None:
 def test_bad_step_count(steps: object) -> None:
     with pytest.raises(ValueError, match="steps must be a positive integer"):
         Trainer(mlp_spec(), topology=Topology(2, 1)).fit(steps)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"lr": -1.0}, "lr must be a positive number, got -1.0"),
+        ({"lr": float("nan")}, "lr must be a positive number, got nan"),
+        ({"weight_decay": -0.1}, "weight_decay must be a number >= 0.0, got -0.1"),
+        ({"warmup_steps": -3}, "warmup_steps must be an integer >= 0, got -3"),
+        ({"lr": True}, "lr must be a positive number, got True"),
+    ],
+)
+def test_bad_llama_hyperparameters(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TrainSpec.llama(**kwargs)  # type: ignore[arg-type]
+
+
+def test_more_hot_spares_than_workers() -> None:
+    with pytest.raises(ValueError, match="hot_spares=5 exceeds the job's 4 workers"):
+        Trainer(mlp_spec(), topology=Topology(2, 2), policy=RecoveryPolicy(hot_spares=5))
+
+
+def test_a_refused_run_leaves_no_run_folder(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    folder = tmp_path / "run"
+    trainer = Trainer(mlp_spec(microbatches=3), topology=Topology(2, 1), run_dir=folder)
+    with pytest.raises(ValueError, match="3 microbatches do not divide"):
+        trainer.fit(1)
+    assert not folder.exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--stages", "0"], "Topology stages must be a positive integer, got 0"),
+        (["--replicas", "0"], "Topology replicas must be a positive integer, got 0"),
+        (["--lr", "-1"], "lr must be a positive number"),
+        (["--lr", "nan"], "lr must be a positive number"),
+        (["--hot-spares", "100"], "hot_spares=100 exceeds"),
+    ],
+)
+def test_bad_train_cli_arguments_make_no_folder(argv: list[str], message: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from recovery.cli.train import main
+
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=message):
+        main([*argv, "--out", str(out), "--steps", "2", "--failures", "none", "--no-progress"])
+    assert not out.exists()
+
+
+def test_nccl_on_a_cluster_without_gpus_says_what_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from recovery.runtime import ray_group
+    from recovery.worker import StageWorker
+
+    monkeypatch.setattr(ray_group.ray, "cluster_resources", lambda: {"CPU": 2.0})
+    group = ray_group.RayWorkerGroup(StageWorker, backend="nccl")
+    with pytest.raises(ValueError, match=r"needs one GPU per worker: the job needs 5 .* has 0"):
+        group.check_capacity(5)
+    ray_group.RayWorkerGroup(StageWorker, backend="gloo").check_capacity(5)  # no GPU needed

@@ -208,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             **overrides,
         )
     topology = Topology(
-        stages=args.stages or (1 if dlrm else 4),
-        replicas=args.replicas or (4 if dlrm else 2),
+        stages=(1 if dlrm else 4) if args.stages is None else args.stages,
+        replicas=(4 if dlrm else 2) if args.replicas is None else args.replicas,
     )
     # dlrm: strike between two full mirrors, where some rows of a lost shard are stale.
     failures = _failures(args.failures, topology, args.steps, offset=5 if dlrm else 0)

@@ -222,6 +222,7 @@ class Controller:
         self.layout = layout_for(self.spec, self.topology, self.policy, self.tokens_per_step)
         self.layout.validate(self.config.backend)
         self.group = self.group or _ray_group(self.layout, self.config)
+        self.group.check_capacity(self.topology.world_size + self.policy.hot_spares)
         self.members = Membership(
             self.group,
             self.spec,

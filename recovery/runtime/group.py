@@ -126,6 +126,15 @@ class WorkerGroup(abc.ABC):
         """The address the controller's store listens on, so that every worker reaches it."""
         return "127.0.0.1"
 
+    def check_capacity(self, workers: int) -> None:
+        """Refuse a job whose ``workers`` processes the cluster can never hold at once
+        (before any starts). The default: any number fits.
+
+        Raises:
+            ValueError: naming what is needed and what the cluster has.
+        """
+        del workers
+
     @abc.abstractmethod
     def start(
         self,

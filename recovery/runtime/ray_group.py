@@ -18,6 +18,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from recovery.errors import CallbackError
 from recovery.pool import POOL
 from recovery.ray_env import alive_nodes, connect, driver_host
 from recovery.runtime.group import Call, CallResults, WorkerGroup, WorkerLost, seconds
@@ -93,6 +94,19 @@ class RayWorkerGroup(WorkerGroup):
 
     def store_host(self) -> str:
         return "127.0.0.1" if self.started_ray else driver_host()
+
+    def check_capacity(self, workers: int) -> None:
+        # Under NCCL each worker asks Ray for a GPU: with too few, its actor would wait
+        # for one until the start timeout instead of failing.
+        if self.backend != "nccl":
+            return
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        if gpus < workers:
+            raise ValueError(
+                f"backend 'nccl' needs one GPU per worker: the job needs {workers} (workers "
+                f"and hot spares), the Ray cluster has {gpus}. Use backend='gloo' on CPUs, "
+                "fewer workers, or add GPU nodes"
+            )
 
     @property
     def _pool_key(self) -> tuple[Any, ...]:
@@ -244,6 +258,8 @@ class RayWorkerGroup(WorkerGroup):
                 call.rank, f"{type(exc).__name__}: {text[0][:300] if text else ''}"
             ) from None
         except RayTaskError as exc:
+            if isinstance(exc.cause, CallbackError):  # the user's error, not the runtime's
+                raise exc.cause from exc.cause.user_error
             raise exc.as_instanceof_cause() from None
 
     def _gather_refs(self, refs: Mapping[Any, Any], timeout_s: float) -> CallResults:
