@@ -34,3 +34,38 @@ class RecoveryInterrupted(RecoveryError):
         """Ranks whose worker died or did not answer."""
         self.broken = set(broken)
         """Ranks whose worker is alive but whose call failed on a communication error."""
+
+
+class CallbackError(RuntimeError):
+    """A user callback of the `TrainSpec` raised inside a worker.
+
+    Names the callback, the step (or held-out batch index) and the worker; the user's own
+    exception is its ``__cause__`` (and ``user_error``), also after it crossed from a Ray
+    worker to the driver. The job stops: retrying the same deterministic call on a rebuilt
+    worker would raise again.
+    """
+
+    def __init__(
+        self, callback: str, step: int | None, stage: int, replica: int, user_error: BaseException
+    ) -> None:
+        when = "at start-up" if step is None else f"at step {step}"
+        super().__init__(
+            f"{callback} raised {type(user_error).__name__}: {user_error} "
+            f"(in worker stage {stage}, replica {replica}, {when})"
+        )
+        self.callback, self.step, self.stage, self.replica = callback, step, stage, replica
+        self.user_error = user_error
+        self.__cause__ = user_error
+
+    def __reduce__(self) -> tuple[object, ...]:
+        user_error: BaseException = self.user_error
+        try:
+            import pickle
+
+            pickle.dumps(user_error)
+        except Exception:  # an exception that does not pickle travels as its text
+            user_error = RuntimeError(f"{type(self.user_error).__name__}: {self.user_error}")
+        return (
+            CallbackError,
+            (self.callback, self.step, self.stage, self.replica, user_error),
+        )

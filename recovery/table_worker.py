@@ -53,6 +53,7 @@ from recovery.strategies.embedding import (
 )
 from recovery.transfer import recv_state, send_state
 from recovery.worker import StageWorker, StepReport
+from recovery.worker.callbacks import guard_callbacks
 
 
 class TableModule(nn.Module):
@@ -101,13 +102,14 @@ class TableWorker(StageWorker):
             raise ValueError(
                 f"sharded embedding tables train on the CPU over Gloo, not {backend!r}"
             )
-        self.spec = spec
         self.topology = topology
         self.rank = rank
         coords = topology.worker(rank)
         self.stage, self.replica = coords.stage, coords.replica
+        self.spec = spec = guard_callbacks(spec, self)
         self.backend = backend
         self.device = torch.device("cpu")
+        assert spec.tables is not None
         self.table = spec.tables.worker(rank, topology.replicas, seed=spec.seed)
         self.module = TableModule(self.table.shard, self.table.dense)
         self.optimizer = self.table.dense_optimizer

@@ -21,6 +21,7 @@ from parallelism.topology import Topology
 from parallelism.zero import ZeroShard
 from recovery.spec import TrainSpec
 from recovery.strategies.checkfree import CheckFreeConfig
+from recovery.worker.callbacks import guard_callbacks
 from recovery.worker.keeper import SnapshotKeeper
 from recovery.worker.reports import WorkerInfo
 
@@ -66,11 +67,11 @@ class WorkerLifecycle:
     def setup(self, spec: TrainSpec, topology: Topology, rank: int, backend: str) -> float:
         """Build the stage module and optimizer at their initial state. Returns seconds taken."""
         start = time.perf_counter()
-        self.spec = spec
         self.topology = topology
         self.rank = rank
         coords = topology.worker(rank)
         self.stage, self.replica = coords.stage, coords.replica
+        self.spec = spec = guard_callbacks(spec, self)
         self.backend = backend
         self.device = device_for(backend)
         self.module = spec.build(self.stage, topology.stages).to(self.device)
