@@ -396,6 +396,26 @@ def test_peer_snapshot_falls_back_when_a_node_and_its_partner_die() -> None:
 # ----------------------------------------------------------------- strategy conformance
 
 
+_SLOW_COPY = CostModel(
+    model_state_bytes=1e15, model_weight_bytes=1e14, transfer_bytes_per_s=1e9,
+    snapshot_load_s=1.0, checkpoint_load_s=2.0, restart_s=3.0,
+)  # fmt: skip
+"""Costs under which copying a replica's state (10^15 B at 1 GB/s) takes far longer than any
+load or restart, so a fallback that forgot the path it tried first would look cheaper."""
+
+
+def _primary_path_s(name: str, job: Job, c: CostModel) -> float:
+    """Stall of a strategy's action when a replica of every stage lives, from the costs."""
+    if name == "checkpoint_restart":  # every failure restarts the job from the checkpoint
+        return c.detect_s + c.restart_s + c.checkpoint_load_s
+    replace = c.replace_warm_s + c.reform_s  # a warm spare joins, the groups re-form
+    if name == "peer_snapshot":  # every worker reloads its in-memory snapshot
+        return c.detect_s + replace + c.snapshot_load_s
+    # the others copy a live replica's state, each GPU its 1 / (pp * tp) shard in parallel
+    shard = c.model_state_bytes / (job.layout.pp * job.layout.tp)
+    return c.detect_s + replace + shard / c.transfer_bytes_per_s
+
+
 @pytest.mark.parametrize("name", list(POLICY_MODELS))
 def test_strategy_conformance(name: str) -> None:
     strategy = make_policy_model(name)
@@ -406,8 +426,18 @@ def test_strategy_conformance(name: str) -> None:
     assert kinds and len({k.name for k in kinds}) == len(kinds)
     if strategy.exact:
         assert all(k.effect in ("stall", "rollback") for k in kinds)
-    exact_path = min(k.total_s for k in kinds)
-    assert all(k.total_s >= exact_path for k in kinds)  # no fallback beats the exact path
+    # kinds[0] is what the strategy does while a replica of every stage lives; its cost is
+    # the formula below, written from the cost model, not from the strategy. No other
+    # action may be cheaper, also where the raw fallback phases (a snapshot or checkpoint
+    # load) are cheaper than moving a replica's state: then the fallback still pays the
+    # path it tried first.
+    for costs in (ctx.costs, _SLOW_COPY):
+        c = SimContext(job=job, costs=costs, horizon_s=ctx.horizon_s, job_mtbf_s=ctx.job_mtbf_s)
+        kinds_c = strategy.kinds(c)
+        primary = _primary_path_s(name, job, costs)
+        assert kinds_c[0].total_s == pytest.approx(primary), (name, kinds_c[0])
+        cheaper = [k.name for k in kinds_c[1:] if k.total_s < primary * (1 - 1e-12)]
+        assert not cheaper, f"{name}: {cheaper} cost less than the primary path {primary} s"
     model = MixedFailures(
         (
             ExponentialFailures(mtbf_hours=50.0),
