@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -156,16 +157,95 @@ def test_stage_parameters_add_up_to_the_model(num_stages: int) -> None:
     assert sum(s.has_embedding for s in stages) == 1 and sum(s.has_head for s in stages) == 1
 
 
-def test_chained_stages_equal_sequential_and_give_logits() -> None:
-    stages = _build_stages(TINY, 3, seed=7)
-    tokens = _tokens(TINY)
+def _unsplit_state(stages: list[LlamaStage]) -> dict[str, torch.Tensor]:
+    """The stages' parameters under the names of one stage holding the whole model: stage-local
+    block ``layers.i`` is global block ``block_range.start + i``."""
+    state: dict[str, torch.Tensor] = {}
+    for stage in stages:
+        for key, value in stage.state_dict().items():
+            if key.startswith("layers."):
+                _, local, rest = key.split(".", 2)
+                key = f"layers.{stage.block_range.start + int(local)}.{rest}"
+            assert key not in state, key
+            state[key] = value
+    return state
+
+
+def _reference_logits(
+    cfg: LlamaConfig, w: dict[str, torch.Tensor], tokens: torch.Tensor
+) -> torch.Tensor:
+    """LLaMA written out from its definition in float64 (pre-norm RMSNorm blocks, rotary on
+    consecutive pairs, causal softmax attention, SwiGLU), sharing no code with the module."""
+    w = {k: v.double() for k, v in w.items()}
+    batch, seq = tokens.shape
+    heads, hd = cfg.n_heads, cfg.head_dim
+
+    def rms(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * scale
+
+    freq = cfg.rope_theta ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    rot = torch.polar(
+        torch.ones(seq, hd // 2, dtype=torch.float64), torch.outer(torch.arange(seq), freq)
+    )
+
+    def rope(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, hd]
+        return torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * rot).flatten(-2)
+
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    x = w["tok_embeddings.weight"][tokens]
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        a = rms(x, w[p + "attention_norm.weight"])
+        q, k, v = (
+            (a @ w[p + f"attention.w{n}.weight"].T).view(batch, seq, heads, hd).transpose(1, 2)
+            for n in "qkv"
+        )
+        scores = (rope(q) @ rope(k).transpose(-1, -2)) / math.sqrt(hd)
+        attn = scores.masked_fill(~causal, -math.inf).softmax(-1) @ v
+        x = x + attn.transpose(1, 2).reshape(batch, seq, cfg.dim) @ w[p + "attention.wo.weight"].T
+        f = rms(x, w[p + "ffn_norm.weight"])
+        gate = torch.nn.functional.silu(f @ w[p + "feed_forward.w1.weight"].T)
+        x = x + (gate * (f @ w[p + "feed_forward.w3.weight"].T)) @ w[p + "feed_forward.w2.weight"].T
+    return rms(x, w["norm.weight"]) @ w["output.weight"].T
+
+
+def test_chained_stages_equal_the_unsplit_model_and_give_logits() -> None:
+    cfg = LlamaConfig.preset("tiny", n_layers=5)
+    stages = _build_stages(cfg, 3, seed=7)
+    assert [len(s.block_range) for s in stages] == [2, 2, 1]  # stages of several blocks
+    tokens = _tokens(cfg)
     h = tokens
     for stage in stages:
         h = stage(h)
-    assert h.shape == (2, 16, TINY.vocab_size)
-    rebuilt = nn.Sequential(*_build_stages(TINY, 3, seed=7))
-    assert torch.equal(rebuilt(tokens), h)
-    assert stages[1](stages[0](tokens)).shape == (2, 16, TINY.dim)
+    assert h.shape == (2, 16, cfg.vocab_size)
+    assert stages[1](stages[0](tokens)).shape == (2, 16, cfg.dim)
+    # The oracle: the whole model in one stage with the same weights, forward and backward.
+    whole = LlamaStage(cfg, range(cfg.n_layers), embedding=True, head=True)
+    whole.load_state_dict(_unsplit_state(stages), strict=True)
+    logits = whole(tokens)
+    assert torch.equal(h, logits)
+    targets = _tokens(cfg, seed=1)
+    llama_loss(h, targets).backward()
+    llama_loss(logits, targets).backward()
+    split_grads = {k: v.grad for k, v in _unsplit_params(stages).items()}
+    for key, param in whole.named_parameters():
+        assert split_grads[key] is not None and param.grad is not None, key
+        assert torch.equal(split_grads[key], param.grad), key
+    # ...and the unsplit model is LLaMA as written out independently.
+    torch.testing.assert_close(
+        logits.double(), _reference_logits(cfg, _unsplit_state(stages), tokens), rtol=0, atol=1e-5
+    )
+
+
+def _unsplit_params(stages: list[LlamaStage]) -> dict[str, nn.Parameter]:
+    params: dict[str, nn.Parameter] = {}
+    for stage in stages:
+        for key, param in stage.named_parameters():
+            if key.startswith("layers."):
+                _, local, rest = key.split(".", 2)
+                key = f"layers.{stage.block_range.start + int(local)}.{rest}"
+            params[key] = param
+    return params
 
 
 def test_build_is_deterministic_under_the_torch_seed() -> None:
