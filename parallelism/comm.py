@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 import socket
 import threading
@@ -40,6 +41,13 @@ import torch.distributed as dist
 from parallelism.topology import Topology
 
 BACKENDS = ("gloo", "nccl")
+
+
+class GarbledMessage(ConnectionError):
+    """Bytes from a peer that are not a message this runtime sends: a header out of bounds
+    or that does not decode (what a receive buffer holds after the sender aborted
+    mid-message, or what a stranger sends). A communication error, like a lost peer."""
+
 
 Activation = torch.Tensor | tuple[torch.Tensor, ...]
 """What one stage passes to the next: one tensor, or a tuple of tensors."""
@@ -57,6 +65,8 @@ _DTYPES: tuple[torch.dtype, ...] = (
 )
 _MAX_DIMS = 8
 _HEADER_LEN = 4 + _MAX_DIMS  # ndim, dtype, tuple size, requires grad, shape
+_MAX_TUPLE = 64  # tensors in one activation
+_MAX_ELEMENTS = 1 << 36  # elements in one activation tensor (256 GiB of float32)
 
 
 def default_backend() -> str:
@@ -371,8 +381,8 @@ class StageComm:
         (GPT-2 passes its hidden states and its attention mask).
         """
         tensors = value if isinstance(value, tuple) else (value,)
-        if not tensors:
-            raise ValueError("cannot send an empty tuple of tensors")
+        if not 0 < len(tensors) <= _MAX_TUPLE:
+            raise ValueError(f"an activation is 1 to {_MAX_TUPLE} tensors, got {len(tensors)}")
         for tensor in tensors:
             if not isinstance(tensor, torch.Tensor):
                 raise ValueError(
@@ -403,8 +413,19 @@ class StageComm:
         while len(tensors) < count:
             header = self.recv(torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device), src)
             meta = header.tolist()
-            ndim, dtype, size, grad = int(meta[0]), _DTYPES[int(meta[1])], meta[2], meta[3]
-            shape = [int(d) for d in meta[4 : 4 + ndim]]
+            ndim, code, size, grad = meta[:4]
+            shape = meta[4 : 4 + ndim]
+            # Checked before anything is allocated: after an abort the buffer holds garbage.
+            if not (
+                0 <= ndim <= _MAX_DIMS
+                and 0 <= code < len(_DTYPES)
+                and 0 <= size <= _MAX_TUPLE
+                and grad in (0, 1)
+                and all(0 <= d <= _MAX_ELEMENTS for d in shape)
+                and math.prod(shape) <= _MAX_ELEMENTS
+            ):
+                raise GarbledMessage(f"an activation header {meta} from rank {src}")
+            dtype = _DTYPES[code]
             tensor = self.recv(torch.empty(shape, dtype=dtype, device=self.device), src)
             tensors.append(tensor.requires_grad_(bool(grad)))
             count = max(1, int(size))

@@ -1,8 +1,9 @@
 """Worker-to-worker state transfer over the process group: no files, nothing through the driver.
 
 A worker's state is its stage's module state (parameters and buffers), its optimizer
-state and its step counter. The source sends a small pickled description first (names,
-shapes, dtypes, optimizer hyper-parameters, the step), then every tensor as-is; the
+state and its step counter. The source sends a small description first (names, shapes,
+dtypes, optimizer hyper-parameters, the step; JSON, see `recovery.wire`: nothing received
+is unpickled, and every shape is checked before it is allocated), then every tensor as-is; the
 destination receives each tensor straight into its own parameter or a freshly allocated
 optimizer buffer -- no flattening copy on either side. RNG state needs no bytes: every
 random draw is derived from ``(seed, stage, replica, step)`` (see ``parallelism/seeding.py``).
@@ -10,14 +11,16 @@ random draw is derived from ``(seed, stage, replica, step)`` (see ``parallelism/
 
 from __future__ import annotations
 
-import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from parallelism.comm import StageComm
+from parallelism.comm import GarbledMessage, StageComm
+from recovery.wire import recv_header, send_header, tensor_spec
 
 
 @dataclass(frozen=True)
@@ -55,11 +58,20 @@ def _allocate_entry(
     for key, (kind, *rest) in meta.items():
         if kind == "tensor":
             shape, dtype = rest
-            entry[key] = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            entry[key] = _empty(shape, dtype, device)
             targets.append(entry[key])
         else:
             entry[key] = rest[0]
     return entry
+
+
+@contextmanager
+def _reading(src: int) -> Iterator[None]:
+    """A description that decodes but does not have the expected structure is garbled too."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
+        raise GarbledMessage(f"a state description from rank {src} does not fit: {err!r}") from None
 
 
 def _describe(
@@ -91,20 +103,18 @@ def send_state(
 ) -> int:
     """Send this worker's full state to global rank ``dst``. Returns the bytes sent.
 
-    ``extra`` (small, picklable) travels in the description: per-worker marks such as
+    ``extra`` (small, JSON values) travels in the description: per-worker marks such as
     when the stage was last rebuilt. ``wait=False`` returns once the sends are posted
     (finish them with ``comm.wait_sends()``), so a worker can receive meanwhile.
     """
     meta, tensors = _describe(module, optimizer, step)
     meta["extra"] = extra or {}
-    blob = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8)
-    comm.isend(torch.tensor([blob.numel()], dtype=torch.int64, device=comm.device), dst)
-    comm.isend(blob.to(comm.device), dst)
+    header = send_header(comm, dst, meta)
     for t in tensors:
         comm.isend(t.detach(), dst)
     if wait:
         comm.wait_sends()
-    return int(blob.numel() + sum(t.numel() * t.element_size() for t in tensors))
+    return int(header + sum(t.numel() * t.element_size() for t in tensors))
 
 
 def recv_state(
@@ -117,13 +127,13 @@ def recv_state(
     Raises:
         RuntimeError: if the source's module does not match this worker's (a different
             stage or model), before any parameter is overwritten.
+        GarbledMessage: if the description is not one `send_state` sends.
     """
-    size = comm.recv(torch.empty(1, dtype=torch.int64, device=comm.device), src)
-    blob = comm.recv(torch.empty(int(size.item()), dtype=torch.uint8, device=comm.device), src)
-    meta = pickle.loads(blob.cpu().numpy().tobytes())
+    meta, header = recv_header(comm, src)
     model = module.state_dict()
     expected = [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in model.items()]
-    received = [(k, tuple(shape), dtype) for k, shape, dtype in meta["model"]]
+    with _reading(src):
+        received = [(k, tuple(shape), dtype) for k, shape, dtype in meta["model"]]
     if expected != received:
         raise RuntimeError(
             f"state from rank {src} does not match this stage's module: {received[:3]}... vs {expected[:3]}..."
@@ -131,14 +141,16 @@ def recv_state(
     # Allocate every destination first, then post all receives at once so that the bytes
     # stream without a round trip per tensor. Model tensors are received in place: the
     # state_dict's tensors share storage with the parameters.
-    targets: list[torch.Tensor] = [model[key] for key, _, _ in meta["model"]]
+    targets: list[torch.Tensor] = [model[key] for key, _, _ in received]
     state: dict[int, dict[str, Any]] = {}
-    for index, entry in meta["optimizer"]["state"].items():
-        state[index] = _allocate_entry(entry, comm.device, targets)
+    with _reading(src):
+        for index, entry in meta["optimizer"]["state"].items():
+            state[index] = _allocate_entry(entry, comm.device, targets)
+        param_groups, step, extra = meta["optimizer"]["param_groups"], meta["step"], meta["extra"]
     comm.recv_many(targets, src)
-    optimizer.load_state_dict({"state": state, "param_groups": meta["optimizer"]["param_groups"]})
-    total = int(blob.numel()) + sum(t.numel() * t.element_size() for t in targets)
-    return int(meta["step"]), total, dict(meta.get("extra", {}))
+    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+    total = header + sum(t.numel() * t.element_size() for t in targets)
+    return int(step), total, dict(extra)
 
 
 def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -162,30 +174,34 @@ def send_named(
     tensors: list[torch.Tensor] = list(model.values())
     meta_opt = {name: _describe_entry(entry, tensors) for name, entry in opt.items()}
     meta = {"model": [(k, *_tensor_meta(v)[1:]) for k, v in model.items()], "moments": meta_opt}
-    blob = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8)
-    comm.isend(torch.tensor([blob.numel()], dtype=torch.int64, device=comm.device), dst)
-    comm.isend(blob.to(comm.device), dst)
+    header = send_header(comm, dst, meta)
     for t in tensors:
         comm.isend(t, dst)
     comm.wait_sends()
-    return int(blob.numel() + sum(t.numel() * t.element_size() for t in tensors))
+    return int(header + sum(t.numel() * t.element_size() for t in tensors))
 
 
 def recv_named(
     comm: StageComm, src: int
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], int]:
-    """Receive what `send_named` sends: ``(state_dict, moments by parameter name, bytes)``."""
-    size = comm.recv(torch.empty(1, dtype=torch.int64, device=comm.device), src)
-    blob = comm.recv(torch.empty(int(size.item()), dtype=torch.uint8, device=comm.device), src)
-    meta = pickle.loads(blob.cpu().numpy().tobytes())
-    state = {
-        k: torch.empty(shape, dtype=getattr(torch, dtype), device=comm.device)
-        for k, shape, dtype in meta["model"]
-    }
-    targets = list(state.values())
-    moments = {
-        name: _allocate_entry(entry, comm.device, targets)
-        for name, entry in meta["moments"].items()
-    }
+    """Receive what `send_named` sends: ``(state_dict, moments by parameter name, bytes)``.
+
+    Raises:
+        GarbledMessage: if the description is not one `send_named` sends.
+    """
+    meta, header = recv_header(comm, src)
+    with _reading(src):
+        state = {str(k): _empty(shape, dtype, comm.device) for k, shape, dtype in meta["model"]}
+        targets = list(state.values())
+        moments = {
+            str(name): _allocate_entry(entry, comm.device, targets)
+            for name, entry in meta["moments"].items()
+        }
     comm.recv_many(targets, src)
-    return state, moments, int(blob.numel()) + sum(t.numel() * t.element_size() for t in targets)
+    return state, moments, header + sum(t.numel() * t.element_size() for t in targets)
+
+
+def _empty(shape: object, dtype: object, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor of a received shape and dtype, checked first."""
+    size, kind = tensor_spec(shape, dtype)
+    return torch.empty(size, dtype=kind, device=device)

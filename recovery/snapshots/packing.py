@@ -9,7 +9,7 @@ taken before returning, so the optimizer update that follows cannot leak into it
 
 from __future__ import annotations
 
-import pickle
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,12 +18,15 @@ import torch
 from torch import nn
 
 from parallelism.checks import check_index
+from parallelism.comm import GarbledMessage
+from recovery.wire import decode, encode, record, tensor_spec
 
 __all__ = ["PackedState", "TensorSlot", "pack_state", "unpack_state"]
 
 _ALIGN = 64  # every tensor starts at a multiple of this, so any dtype can view its bytes
 
 
+@record
 @dataclass(frozen=True)
 class TensorSlot:
     """Where one tensor lives inside a `PackedState`'s bytes."""
@@ -35,6 +38,7 @@ class TensorSlot:
     nbytes: int
 
 
+@record
 @dataclass(frozen=True)
 class _Ref:
     """Stands for tensor ``index`` of the layout inside the optimizer's description."""
@@ -46,7 +50,8 @@ class _Ref:
 class PackedState:
     """A worker's state (module, optimizer, step) as one contiguous byte tensor.
 
-    ``data`` is what travels (a single send/recv); `header` is the small picklable rest.
+    ``data`` is what travels (a single send/recv); `header` is the small rest, in the
+    JSON wire format of `recovery.wire` (a received header is never unpickled).
     """
 
     step: int
@@ -64,17 +69,25 @@ class PackedState:
         return int(self.data.numel())
 
     def header(self) -> bytes:
-        """Everything but ``data``, pickled: send it first, then ``data``."""
-        return pickle.dumps((self.step, self.layout, self.model_tensors, self.optimizer))
+        """Everything but ``data``, encoded for the wire: send it first, then ``data``."""
+        return encode((self.step, self.layout, self.model_tensors, self.optimizer))
 
     @classmethod
     def from_parts(cls, header: bytes, data: torch.Tensor) -> PackedState:
         """Rebuild a packed state from a received `header` and ``data``.
 
         Raises:
+            GarbledMessage: if the header is not one `header` makes (its slots must fit
+                their shapes and dtypes, and its references the layout).
             ValueError: if ``data`` is not a 1-D uint8 tensor of the size the header needs.
         """
-        step, layout, model_tensors, optimizer = pickle.loads(header)
+        parts = decode(header)
+        if not (isinstance(parts, tuple) and len(parts) == 4):
+            raise GarbledMessage(
+                "a packed-state header that is not (step, layout, count, optimizer)"
+            )
+        step, layout, model_tensors, optimizer = parts
+        _check_layout(step, layout, model_tensors)
         need = max((s.offset + s.nbytes for s in layout), default=0)
         if data.dtype != torch.uint8 or data.dim() != 1 or data.numel() < need:
             raise ValueError(
@@ -82,6 +95,22 @@ class PackedState:
                 f"{data.dtype} {tuple(data.shape)}"
             )
         return cls(step, data, layout, model_tensors, optimizer)
+
+
+def _check_layout(step: object, layout: object, model_tensors: object) -> None:
+    """A received layout describes tensors this runtime could have packed."""
+    ints = (step, model_tensors)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints):
+        raise GarbledMessage(f"a packed-state header with step {step!r}, count {model_tensors!r}")
+    if not (isinstance(layout, tuple) and all(isinstance(s, TensorSlot) for s in layout)):
+        raise GarbledMessage("a packed-state header whose layout is not a tuple of slots")
+    if model_tensors > len(layout):  # type: ignore[operator]
+        raise GarbledMessage(f"a packed-state header of {len(layout)} slots, {model_tensors} model")
+    for slot in layout:
+        shape, dtype = tensor_spec(list(slot.shape), slot.dtype)
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if not (isinstance(slot.offset, int) and slot.offset >= 0 and slot.nbytes == nbytes):
+            raise GarbledMessage(f"a packed-state slot {slot} that does not fit its shape")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from parallelism.comm import StageComm
+from parallelism.comm import GarbledMessage, StageComm
 from recovery.snapshots import (
     DurableStore,
     PackedState,
@@ -23,6 +23,7 @@ from recovery.snapshots import (
     WriteHandle,
     pack_state,
 )
+from recovery.wire import MAX_HEADER_BYTES, MAX_TENSOR_BYTES
 
 __all__ = ["SnapshotKeeper"]
 
@@ -113,7 +114,7 @@ class SnapshotKeeper:
         sizes = torch.tensor([header.numel(), packed.nbytes], dtype=torch.int64)
         try:
             works = comm.side_isend([sizes, header, packed.data], buddy)
-            theirs = comm.side_recv(torch.empty(2, dtype=torch.int64), ward)
+            theirs = _checked_sizes(comm.side_recv(torch.empty(2, dtype=torch.int64), ward), ward)
             their_header = comm.side_recv(torch.empty(int(theirs[0]), dtype=torch.uint8), ward)
             data = comm.side_recv(torch.empty(int(theirs[1]), dtype=torch.uint8), ward)
             comm.side_wait(works)
@@ -141,6 +142,7 @@ class SnapshotKeeper:
     def receive(self, comm: StageComm, src: int) -> PackedState:
         """The packed copy that ``src`` sends (`send`), on the CPU."""
         sizes = comm.recv(torch.empty(2, dtype=torch.int64, device=comm.device), src).cpu()
+        sizes = _checked_sizes(sizes, src)
         header = comm.recv(torch.empty(int(sizes[0]), dtype=torch.uint8, device=comm.device), src)
         data = comm.recv(torch.empty(int(sizes[1]), dtype=torch.uint8, device=comm.device), src)
         return PackedState.from_parts(header.cpu().numpy().tobytes(), data.cpu())
@@ -180,3 +182,11 @@ class SnapshotKeeper:
         self._writes = {}
         self._durable = DurableStore(root)
         return self._durable.load(step, rank, module, optimizer)
+
+
+def _checked_sizes(sizes: torch.Tensor, src: int) -> torch.Tensor:
+    """A peer copy's announced (header, data) sizes, checked before they are allocated."""
+    header, data = (int(v) for v in sizes.tolist())
+    if not (0 < header <= MAX_HEADER_BYTES and 0 <= data <= MAX_TENSOR_BYTES):
+        raise GarbledMessage(f"a peer copy of {header} + {data} bytes announced by rank {src}")
+    return sizes

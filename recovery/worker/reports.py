@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from parallelism.comm import GarbledMessage
 from parallelism.engine import StepStats
 
 __all__ = ["StepReport", "WorkerInfo", "is_comm_error"]
@@ -28,6 +29,8 @@ _COMM_ERROR_MARKERS = (
 
 def is_comm_error(exc: BaseException) -> bool:
     """Whether ``exc`` is a communication failure (a peer died) rather than a user error."""
+    if isinstance(exc, GarbledMessage):  # what a peer that aborted mid-message leaves
+        return True
     text = f"{type(exc).__name__}: {exc}".lower()
     return isinstance(exc, RuntimeError | ConnectionError | OSError) and any(
         marker in text for marker in _COMM_ERROR_MARKERS

@@ -1,0 +1,189 @@
+"""The wire format: what workers send besides tensor bytes is JSON checked before any
+allocation; garbage or a stranger's bytes are a communication error, never code run."""
+
+from __future__ import annotations
+
+import math
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from parallelism import Topology
+from parallelism.comm import GarbledMessage, StageComm
+from recovery.snapshots.packing import PackedState, pack_state, unpack_state
+from recovery.transfer import recv_state, send_state
+from recovery.wire import decode, encode, tensor_spec
+from recovery.worker.reports import is_comm_error
+from tests.jobs import in_threads
+from tests.test_comm import _pair
+
+
+def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2, betas=(0.9, 0.95))
+    module(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    return module, optimizer
+
+
+def test_an_optimizer_state_round_trips_exactly() -> None:
+    _, optimizer = _trained()
+    state = optimizer.state_dict()
+    back = decode(encode({**state, "extra": {"rebuilt_at": None, "inf": math.inf}}))
+    assert back["param_groups"] == state["param_groups"]  # tuples (betas) stay tuples
+    assert back["param_groups"][0]["betas"] == (0.9, 0.95)
+    assert back["extra"] == {"rebuilt_at": None, "inf": math.inf}
+    for index, entry in state["state"].items():  # int keys survive
+        for key, value in entry.items():
+            assert torch.equal(back["state"][index][key], value) or value.numel() > 64
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(min_size=0, max_size=200))
+def test_any_bytes_decode_or_raise_garbled_message(data: bytes) -> None:
+    try:
+        decode(data)
+    except GarbledMessage as err:
+        assert is_comm_error(err)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [
+        ([-1, 4], "float32"),
+        ([1 << 30, 1 << 30], "float32"),
+        ([2], "object"),
+        ("ab", "float32"),
+        ([True], "float32"),
+        ([2.5], "float32"),
+    ],
+)
+def test_a_shape_is_checked_before_it_is_allocated(shape: object, dtype: object) -> None:
+    with pytest.raises(GarbledMessage):
+        tensor_spec(shape, dtype)
+
+
+def test_a_pickle_is_never_run(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+
+    class Exploit:
+        def __reduce__(self):  # type: ignore[no-untyped-def]
+            return (Path.touch, (marker,))
+
+    payload = pickle.dumps(Exploit())
+    with pytest.raises(GarbledMessage):
+        decode(payload)
+    with pytest.raises(GarbledMessage):
+        PackedState.from_parts(payload, torch.zeros(0, dtype=torch.uint8))
+    assert not marker.exists()
+
+
+def test_a_packed_snapshot_header_round_trips_and_garbage_is_refused() -> None:
+    module, optimizer = _trained()
+    packed = pack_state(module, optimizer, 7)
+    again = PackedState.from_parts(packed.header(), packed.data.clone())
+    other, other_opt = _trained()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    assert unpack_state(again, other, other_opt) == 7
+    for a, b in zip(module.state_dict().values(), other.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    bad = packed.header().replace(b'"nbytes":', b'"nbytes":1', 1)  # a slot that does not fit
+    with pytest.raises(GarbledMessage, match="does not fit"):
+        PackedState.from_parts(bad, packed.data)
+
+
+def _garbage(sender: StageComm, *tensors: torch.Tensor) -> None:
+    for t in tensors:
+        sender.isend(t, 1)
+    sender.wait_sends()
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [
+        [torch.tensor([1 << 62])],  # an absurd header length
+        [torch.tensor([12]), torch.frombuffer(bytearray(b"\xff\xfe{garbage}"), dtype=torch.uint8)],
+        [
+            torch.tensor([len(b'{"model":7}')]),
+            torch.frombuffer(bytearray(b'{"model":7}'), dtype=torch.uint8),
+        ],
+    ],
+    ids=["length", "not-json", "wrong-structure"],
+)
+def test_a_garbage_state_header_is_a_communication_error(sent: list[torch.Tensor]) -> None:
+    """What a sender that died mid-message leaves where the description should be: the
+    receiver gets a clean communication error, not an IndexError or an absurd allocation."""
+    comms = _pair(Topology(2, 1))
+    module, optimizer = _trained()
+    try:
+        _, got = in_threads(
+            [lambda: _garbage(comms[0], *sent), lambda: recv_state(comms[1], 0, module, optimizer)]
+        )
+        assert isinstance(got, GarbledMessage), got
+        assert is_comm_error(got)
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def test_a_garbage_activation_header_is_a_communication_error() -> None:
+    comms = _pair(Topology(2, 1))
+    header = torch.tensor([3, 0, 0, 1, 1 << 40, 1 << 40, 1 << 40, 0, 0, 0, 0, 0])
+    try:
+        _, got = in_threads(
+            [lambda: _garbage(comms[0], header), lambda: comms[1].recv_activation(0)]
+        )
+        assert isinstance(got, GarbledMessage) and "activation header" in str(got)
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def test_a_tuple_activation_keeps_which_tensors_need_gradients() -> None:
+    comms = _pair(Topology(2, 1))
+    hidden = torch.randn(2, 3, requires_grad=True) * 2  # requires grad (not a leaf)
+    mask = torch.triu(torch.ones(3, 3))
+    try:
+        _, got = in_threads(
+            [
+                lambda: (comms[0].send_activation((hidden, mask), 1), comms[0].wait_sends()),
+                lambda: comms[1].recv_activation(0),
+            ]
+        )
+        assert isinstance(got, tuple) and len(got) == 2
+        assert torch.equal(got[0], hidden.detach()) and got[0].requires_grad
+        assert torch.equal(got[1], mask) and not got[1].requires_grad
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def test_a_state_transfer_round_trips_over_gloo() -> None:
+    comms = _pair(Topology(2, 1))
+    module, optimizer = _trained()
+    other, other_opt = _trained()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.zero_()
+    try:
+        sent, got = in_threads(
+            [
+                lambda: send_state(comms[0], 1, module, optimizer, 5, {"rebuilt_at": 3}),
+                lambda: recv_state(comms[1], 0, other, other_opt),
+            ]
+        )
+        step, nbytes, extra = got
+        assert (step, extra, nbytes) == (5, {"rebuilt_at": 3}, sent)
+        for a, b in zip(module.state_dict().values(), other.state_dict().values(), strict=True):
+            assert torch.equal(a, b)
+        assert other_opt.state_dict()["param_groups"] == optimizer.state_dict()["param_groups"]
+    finally:
+        for comm in comms:
+            comm.close()
