@@ -101,7 +101,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -570,17 +569,9 @@ def sweep(
     import ray  # only sweeps on a cluster need Ray
     from ray.exceptions import GetTimeoutError
 
-    if not ray.is_initialized():
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init(log_to_driver=False)
-        else:
-            # address="local": never attach to some other process's Ray on this machine.
-            ray.init(
-                address="local",
-                include_dashboard=False,
-                _node_ip_address="127.0.0.1",
-                log_to_driver=False,
-            )
+    from recovery.ray_env import connect  # the one embedded Ray: loopback only
+
+    connect(log_to_driver=False)
     remote = ray.remote(_run_scenario)
     refs = [remote.remote(s) for s in scenarios]
     try:

@@ -134,7 +134,7 @@ def test_driver_killed_mid_run_resumes_bit_identical(tmp_path: Path) -> None:
     assert second.wait(timeout=300) == 0, (
         second.stderr.read().decode()[-3000:] if second.stderr else ""
     )
-    resumed_run = torch.load(tmp_path / "resumed.pt")
+    resumed_run = torch.load(tmp_path / "resumed.pt", weights_only=True)
     assert resumed_run["losses"] == reference.losses
     for key, state in reference.states.items():
         for name, value in state["model"].items():
