@@ -115,6 +115,12 @@ def hierarchy_cases(draw: st.DrawFn):  # type: ignore[no-untyped-def]
         h: {w: draw(steps) for w in draw(st.sets(st.integers(0, top.world_size - 1), max_size=2))}
         for h in range(top.world_size)
     }
+    if draw(st.booleans()):  # snapshots on: every worker keeps step - 10, its buddy too
+        world = top.world_size
+        own = {r: {step - 10, *own[r]} for r in range(world)}
+        for h in range(world):
+            ward = (h + 1) % world
+            held[h][ward] = {step - 10, *held[h].get(ward, ()), *draw(steps)}
     durable = tuple(draw(st.sets(st.sampled_from([step - 20, step - 10]), max_size=2)))
     policy = RecoveryPolicy(
         approximate=draw(st.sampled_from([None, "checkfree", "checkfree+"])),
@@ -155,6 +161,28 @@ def _has_other_source(top: Topology, stage: int, lost: set[int], policy: Recover
     )
 
 
+def _rollback_steps(top: Topology, redundancy: Redundancy) -> tuple[set[int], set[int]]:
+    """Brute force: the steps a peer-tier and a durable-tier rollback could resume at.
+
+    A peer step must be restorable for every worker: from its own memory if it is alive, or
+    from a live holder of its snapshot; what a dead worker held died with it.
+    """
+    alive = set(redundancy.alive)
+    steps = {s for held in redundancy.peer_own.values() for s in held}
+    steps |= {s for wards in redundancy.peer_held.values() for held in wards.values() for s in held}
+    peer = set()
+    for step in steps:
+        if all(
+            (w in alive and step in redundancy.peer_own.get(w, ()))
+            or any(
+                h in alive and step in wards.get(w, ()) for h, wards in redundancy.peer_held.items()
+            )
+            for w in range(top.world_size)
+        ):
+            peer.add(step)
+    return peer, set(redundancy.durable_steps)
+
+
 @settings(max_examples=200, deadline=None)
 @given(hierarchy_cases())
 def test_hierarchy_invariants(case) -> None:  # type: ignore[no-untyped-def]
@@ -162,13 +190,22 @@ def test_hierarchy_invariants(case) -> None:  # type: ignore[no-untyped-def]
     needs_rollback = any(
         not _has_other_source(top, top.worker(r).stage, lost, policy) for r in lost
     )
+    peer_steps, durable_steps = _rollback_steps(top, redundancy)
+    can_roll_back = policy.allows("rollback") and bool(peer_steps | durable_steps)
     try:
         result = plan(top, lost, redundancy, policy)
     except RedundancyExhausted:
-        assert needs_rollback  # exhausted only when some unit has no other allowed source
+        # exhausted only when some unit has no other allowed source and no snapshot could
+        # serve a rollback of every worker
+        assert needs_rollback and not can_roll_back, (peer_steps, durable_steps)
         return
+    assert not needs_rollback or can_roll_back  # a plan only where the oracle finds one
     alive = set(redundancy.alive)
     assert (result.tier is not None) == needs_rollback  # rollback iff no other source
+    if result.tier is not None:  # the newest step every worker can restore; peer on a tie
+        newest = max(peer_steps | durable_steps)
+        assert result.resume_step == newest, (result.resume_step, peer_steps, durable_steps)
+        assert result.tier == ("peer" if newest in peer_steps else "durable")
     if policy.exact_only:
         assert result.exact
     if result.tier is None:
