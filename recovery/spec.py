@@ -313,8 +313,10 @@ class TrainSpec:
         Args:
             preset: model size, ``"tiny"`` (tests) or ``"small"`` (387,500 rows, 8 tables).
             data: a Criteo-format TSV file (see `parallelism.workloads.clicks.read_criteo`; the
-                model's tables must then number 26 with 13 dense features); by default
-                generated click logs with Zipf ids and a planted truth.
+                model's tables must then number 26 with 13 dense features), parsed once per
+                machine into a memory-mapped cache (`ClickDataset.from_criteo`; the spec
+                carries the path, not the samples); by default generated click logs with
+                Zipf ids and a planted truth.
             batch_size: samples per worker per step.
             sparse_lr, dense_lr: row-wise Adagrad of the rows, Adam of the dense part.
             categorical: how the Criteo file names rows, ``"hash"`` or ``"index"``.
@@ -325,7 +327,7 @@ class TrainSpec:
         """
         check_number("sparse_lr", sparse_lr, positive=True)
         check_number("dense_lr", dense_lr, positive=True)
-        from parallelism.workloads.clicks import ClickDataset, ClickLogs, read_criteo
+        from parallelism.workloads.clicks import ClickDataset, ClickLogs
         from parallelism.workloads.dlrm import DLRMConfig, dlrm_loss
 
         config = DLRMConfig.preset(preset, **config_overrides)
@@ -339,13 +341,15 @@ class TrainSpec:
                 zipf_alpha=zipf_alpha,
             )
         else:
-            samples = read_criteo(
+            # Parsed once into a memory-mapped cache; the spec carries only its recipe.
+            source = ClickDataset.from_criteo(
                 data,
                 config.table_rows,
                 categorical=categorical,
                 dense_features=config.dense_features,
+                batch_size=batch_size,
+                seed=seed,
             )
-            source = ClickDataset(samples, batch_size=batch_size, seed=seed)
         training = DLRMTraining(config, sparse_lr=sparse_lr, dense_lr=dense_lr)
         return cls(
             build_stage=functools.partial(_dense_stage, config),

@@ -10,7 +10,9 @@ the rows gets close to the truth's own AUC (`ClickLogs.truth_logits`), and stale
 restored rows shows up as lost accuracy.
 
 `read_criteo` reads the Criteo TSV format (label, 13 integer features, 26 categorical
-ones) into a `ClickBatch`, and `ClickDataset` serves batches from one. Both sources serve
+ones) into a `ClickBatch`, and `ClickDataset` serves batches from one, or, built with
+`ClickDataset.from_criteo`, from a file of any size (see [Note: shipping click logs to
+workers]). Both sources serve
 batches the way `parallelism.workloads.data.LMBatches` does: a pure function of ``(step, replica,
 microbatch)``, so a step re-run after a failure sees exactly the data it saw the first
 time and the data cursor is just the step number.
@@ -27,17 +29,40 @@ variance (``signal**2 / 3`` each, so the logit has standard deviation ``signal``
 dense part a DLRM learns in its bottom MLP, the row biases through the dot products of
 embeddings with the bottom MLP's output, the pairwise part through the dot products of
 embeddings -- exactly DLRM's interaction.
+
+[Note: shipping click logs to workers]
+A Criteo day is about 45 million lines (11 GB of text); as Python lists it would need
+tens of GB, and inside a pickled `TrainSpec` it would travel to every actor.
+`ClickDataset.from_criteo` instead parses the file once per machine, a chunk of lines at
+a time, into raw arrays in a cache folder (264 bytes a sample for Criteo) keyed by the
+file's path, size, modification time, first MiB and the parse options, and memory-maps
+them. The dataset pickles as a recipe (the path, the options, the cache folder) plus the
+samples' fingerprint (a SHA-256 of the arrays, computed while parsing): the receiving
+process maps the cache on first use, parsing the file if that machine has no cache yet,
+keeps the mapping in a per-process table keyed by fingerprint, and refuses samples whose
+fingerprint differs, so two machines whose files differ never silently train on
+different data. The same pattern as `parallelism.workloads.data.TokenCorpus`.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
+import fcntl
+import hashlib
+import json
+import logging
 import math
 import os
-from collections.abc import Sequence
+import re
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -60,6 +85,10 @@ CRITEO_SPARSE = 26
 """Categorical (sparse) features per Criteo line."""
 
 _SPLITS = {"train": 0, "val": 1}
+_CHUNK_LINES = 8192
+"""Criteo lines parsed at a time (about 2 MiB of arrays for Criteo's 39 features)."""
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -341,11 +370,16 @@ class ClickLogs(_ClickSource):
 
 
 class ClickDataset(_ClickSource):
-    """Batches drawn from a fixed set of samples (e.g. `read_criteo`'s), deterministically.
+    """Batches drawn from a fixed set of samples (e.g. a Criteo file), deterministically.
 
     The last ``val_fraction`` of the samples is held out. A microbatch is ``batch_size``
     samples drawn with replacement from the split, by a generator seeded with ``(seed,
     split, step, replica, microbatch)`` alone.
+
+    Build one from samples in memory (``ClickDataset(samples, ...)``; pickling then sends
+    the samples) or from a Criteo file with `ClickDataset.from_criteo`, which parses the
+    file once into a memory-mapped cache and pickles as a recipe (see [Note: shipping
+    click logs to workers]). `fingerprint` identifies the samples either way.
 
     Raises:
         ValueError: for a bad size or fraction, or too few samples to give both splits.
@@ -360,25 +394,103 @@ class ClickDataset(_ClickSource):
         seed: int = 0,
         val_fraction: float = 0.1,
     ) -> None:
-        check_positive_int("batch_size", batch_size)
-        check_positive_int("microbatches", microbatches)
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-        if not (isinstance(val_fraction, int | float) and 0 < val_fraction < 1):
-            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
-        n_val = max(1, round(len(samples) * val_fraction))
-        if len(samples) - n_val < 1:
-            raise ValueError(
-                f"{len(samples)} samples are too few for a training and a held-out part"
-            )
-        self.samples = samples
+        _check_dataset_args(batch_size, microbatches, seed, val_fraction)
+        self._setup(len(samples), batch_size, microbatches, seed, val_fraction)
+        self._recipe: dict[str, Any] | None = None
+        self._inline: ClickBatch | None = samples
+        self.fingerprint = _fingerprint(
+            *(_digest(t.numpy()) for t in (samples.labels, samples.dense, samples.sparse)),
+            shape=(len(samples), samples.dense.shape[1], samples.sparse.shape[1]),
+        )
+        self.source = f"{len(samples)} click samples in memory"
+
+    @classmethod
+    def from_criteo(
+        cls,
+        path: str | os.PathLike[str],
+        table_rows: Sequence[int],
+        *,
+        batch_size: int,
+        microbatches: int = 1,
+        seed: int = 0,
+        val_fraction: float = 0.1,
+        categorical: str = "hash",
+        dense_features: int = CRITEO_DENSE,
+        max_lines: int | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+    ) -> ClickDataset:
+        """A dataset of a Criteo-format file's samples, parsed as `read_criteo` parses them.
+
+        The file is parsed here, once, in chunks of bounded memory, into a cache of
+        ``.npy``-like raw arrays under ``cache_dir`` (default: ``$CHECKFREE_CACHE_DIR``, else
+        ``$XDG_CACHE_HOME/checkfree`` or ``~/.cache/checkfree``), keyed by the file's
+        absolute path, size, modification time, first MiB and the parse options; a later
+        call with the same file reuses it. The samples are memory-mapped, so processes on
+        one machine share one copy in the page cache. A relative ``path`` stays relative,
+        so that it resolves against each worker's working directory.
+
+        Args:
+            path, table_rows, categorical, dense_features, max_lines: as in `read_criteo`.
+            batch_size, microbatches, seed, val_fraction: as in `ClickDataset`.
+            cache_dir: where the parsed cache lives (each machine builds its own).
+
+        Raises:
+            ValueError: as `read_criteo` does (naming ``file:line`` for a bad line) and as
+                `ClickDataset` does, or if the cache folder cannot be written.
+        """
+        _check_dataset_args(batch_size, microbatches, seed, val_fraction)
+        fmt = _criteo_format(table_rows, categorical, dense_features, max_lines)
+        recipe: dict[str, Any] = {
+            "path": os.fspath(path),
+            "format": fmt,
+            "cache_dir": None if cache_dir is None else os.fspath(cache_dir),
+        }
+        meta = _criteo_cache(recipe["path"], fmt, recipe["cache_dir"])
+        self = cls.__new__(cls)
+        self._setup(meta["samples"], batch_size, microbatches, seed, val_fraction)
+        self._recipe = recipe
+        self._inline = None
+        self.fingerprint = meta["fingerprint"]
+        self.source = f"Criteo file {recipe['path']} ({meta['samples']} samples)"
+        return self
+
+    def _setup(
+        self, samples: int, batch_size: int, microbatches: int, seed: int, val_fraction: float
+    ) -> None:
+        n_val = max(1, round(samples * val_fraction))
+        if samples - n_val < 1:
+            raise ValueError(f"{samples} samples are too few for a training and a held-out part")
         self.batch_size = batch_size
         self.microbatches = microbatches
         self.seed = seed
-        self._split_at = len(samples) - n_val
+        self._count = samples
+        self._split_at = samples - n_val
+
+    @property
+    def samples(self) -> ClickBatch:
+        """Every sample, training part first (memory-mapped for `from_criteo`).
+
+        Raises:
+            RuntimeError: if this process cannot rebuild the samples of `from_criteo` (the
+                file is missing here) or they differ from the ones the dataset was made of.
+        """
+        if self._inline is not None:
+            return self._inline
+        assert self._recipe is not None
+        return _load_criteo(self._recipe, self.fingerprint, self.source)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __repr__(self) -> str:
+        return (
+            f"ClickDataset({self.source}, batch_size={self.batch_size}, "
+            f"microbatches={self.microbatches}, seed={self.seed}, "
+            f"fingerprint={self.fingerprint[:12]})"
+        )
 
     def _draw(self, split: str, key: list[int], size: int, *, fixed: bool = False) -> ClickBatch:
-        lo, hi = (0, self._split_at) if split == "train" else (self._split_at, len(self.samples))
+        lo, hi = (0, self._split_at) if split == "train" else (self._split_at, self._count)
         if fixed:  # the fixed held-out set: the held-out samples in order, cycling
             index = torch.arange(size) % (hi - lo) + lo
         else:
@@ -388,6 +500,18 @@ class ClickDataset(_ClickSource):
         return ClickBatch(dense=s.dense[index], sparse=s.sparse[index], labels=s.labels[index])
 
 
+def _check_dataset_args(batch_size: int, microbatches: int, seed: int, val_fraction: float) -> None:
+    check_positive_int("batch_size", batch_size)
+    check_positive_int("microbatches", microbatches)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    if not (isinstance(val_fraction, int | float) and 0 < val_fraction < 1):
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
+
+
+# ---- Criteo ----------------------------------------------------------------------------
+
+
 def read_criteo(
     path: str | os.PathLike[str],
     table_rows: Sequence[int],
@@ -395,6 +519,7 @@ def read_criteo(
     categorical: str = "hash",
     dense_features: int = CRITEO_DENSE,
     max_lines: int | None = None,
+    chunk_lines: int = _CHUNK_LINES,
 ) -> ClickBatch:
     """Read a Criteo-format TSV file: ``label, dense..., categorical...`` per line.
 
@@ -406,8 +531,12 @@ def read_criteo(
     - ``categorical="index"`` (preprocessed files): a decimal row index, which must lie in
       ``0..table_rows[t]-1``; an empty value is row 0.
 
-    The whole file is parsed before anything is returned, so a bad line leaves nothing
-    half-read behind.
+    Lines end at ``\\n``, ``\\r\\n`` or ``\\r``; empty lines are skipped (and counted). The file
+    is parsed ``chunk_lines`` lines at a time into compact arrays (about 4 + 4 * dense + 8 *
+    tables bytes a sample, e.g. 264 for Criteo; the peak is twice that, while the chunks are
+    joined), and the whole file is parsed before anything is returned, so a bad line leaves
+    nothing half-read behind. For a file too large for memory use
+    `ClickDataset.from_criteo`, which memory-maps a cache on disk.
 
     Args:
         path: the file.
@@ -415,13 +544,40 @@ def read_criteo(
         categorical: ``"hash"`` or ``"index"``, as above.
         dense_features: integer features per line (13 for Criteo).
         max_lines: read at most this many lines.
+        chunk_lines: lines parsed at a time.
 
     Raises:
-        ValueError: for a missing or empty file, a bad argument, or a malformed line -- a
-            wrong number of fields, a label other than 0/1, a non-integer dense value, a
-            non-hexadecimal (hash) or non-decimal (index) categorical value, or an index
-            outside its table -- naming ``file:line`` and the feature.
+        ValueError: for a missing or empty file, a bad argument, or a malformed line -- not
+            UTF-8, a wrong number of fields, a label other than 0/1, a non-integer dense
+            value, a non-hexadecimal (hash) or non-decimal (index) categorical value, or an
+            index outside its table -- naming ``file:line`` and the feature.
     """
+    fmt = _criteo_format(table_rows, categorical, dense_features, max_lines)
+    check_positive_int("chunk_lines", chunk_lines)
+    chunks = list(_criteo_chunks(_criteo_path(path), fmt, chunk_lines))
+    if not chunks:
+        raise ValueError(f"Criteo file {path} holds no samples")
+    labels, dense, sparse = (np.concatenate([c[i] for c in chunks]) for i in range(3))
+    return ClickBatch(
+        dense=torch.from_numpy(dense),
+        sparse=torch.from_numpy(sparse),
+        labels=torch.from_numpy(labels),
+    )
+
+
+@dataclass(frozen=True)
+class _CriteoFormat:
+    """How to parse a Criteo file (`read_criteo`'s options), checked."""
+
+    table_rows: tuple[int, ...]
+    categorical: str
+    dense_features: int
+    max_lines: int | None
+
+
+def _criteo_format(
+    table_rows: Sequence[int], categorical: str, dense_features: int, max_lines: int | None
+) -> _CriteoFormat:
     if categorical not in ("hash", "index"):
         raise ValueError(f"categorical must be 'hash' or 'index', got {categorical!r}")
     rows = tuple(table_rows)
@@ -435,51 +591,114 @@ def read_criteo(
         raise ValueError(f"dense_features must be >= 0, got {dense_features}")
     if max_lines is not None:
         check_positive_int("max_lines", max_lines)
+    return _CriteoFormat(tuple(int(n) for n in rows), categorical, dense_features, max_lines)
+
+
+def _criteo_path(path: str | os.PathLike[str]) -> Path:
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"Criteo file {path} does not exist (resolved to {p.absolute()})")
-    fields = 1 + dense_features + len(rows)
-    labels: list[float] = []
-    dense: list[list[float]] = []
-    sparse: list[list[int]] = []
-    with p.open(encoding="utf-8", newline="") as handle:
-        for number, raw in enumerate(handle, start=1):
-            if max_lines is not None and number > max_lines:
-                break
-            line = raw.rstrip("\r\n")
-            if not line:
+    return p
+
+
+# A lone "\r" ends a line too (as text mode with newline="" splits), but "\r\n" is one end.
+_LONE_CR = re.compile(rb"(?<=\r)(?!\n)")
+
+_Chunk = tuple[np.ndarray, np.ndarray, np.ndarray]
+"""``(labels [n] float32, dense [n, d] float32, sparse [n, tables] int64)``."""
+
+
+def _criteo_chunks(path: Path, fmt: _CriteoFormat, chunk_lines: int) -> Iterator[_Chunk]:
+    """The samples of a Criteo file, at most ``chunk_lines`` at a time, in file order.
+
+    Raises:
+        ValueError: for a malformed line, naming ``file:line`` (see `read_criteo`).
+    """
+    d, tables = fmt.dense_features, len(fmt.table_rows)
+    fields = 1 + d + tables
+
+    def fresh() -> _Chunk:
+        return (
+            np.empty(chunk_lines, dtype=np.float32),
+            np.empty((chunk_lines, d), dtype=np.float32),
+            np.empty((chunk_lines, tables), dtype=np.int64),
+        )
+
+    labels, dense, sparse = fresh()
+    k = 0
+    with path.open("rb") as handle:
+        for number, raw in _numbered_lines(handle, fmt.max_lines):
+            if not raw:
                 continue
             where = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"{where}: invalid UTF-8 at byte {err.start + 1} of the line "
+                    f"({raw[err.start : err.start + 4]!r}...); a Criteo file is UTF-8 text"
+                ) from None
             parts = line.split("\t")
             if len(parts) != fields:
                 raise ValueError(
                     f"{where}: {len(parts)} tab-separated fields, expected {fields} (label, "
-                    f"{dense_features} integer and {len(rows)} categorical features)"
+                    f"{d} integer and {tables} categorical features)"
                 )
             if parts[0] not in ("0", "1"):
                 raise ValueError(f"{where}: label {parts[0]!r} is not 0 or 1")
-            labels.append(float(parts[0]))
-            values = []
-            for j, text in enumerate(parts[1 : 1 + dense_features]):
-                try:
-                    x = int(text) if text else 0
-                except ValueError:
-                    raise ValueError(
-                        f"{where}: integer feature I{j + 1} = {text!r} is not an integer"
-                    ) from None
-                values.append(math.log1p(max(x, 0)))
-            dense.append(values)
-            ids = []
-            for t, text in enumerate(parts[1 + dense_features :]):
-                ids.append(_category(text, rows[t], categorical, where, t))
-            sparse.append(ids)
-    if not labels:
-        raise ValueError(f"Criteo file {path} holds no samples")
-    return ClickBatch(
-        dense=torch.tensor(dense, dtype=torch.float32).reshape(len(labels), dense_features),
-        sparse=torch.tensor(sparse, dtype=torch.int64),
-        labels=torch.tensor(labels, dtype=torch.float32),
-    )
+            labels[k] = float(parts[0])
+            dense[k] = _dense_values(parts[1 : 1 + d], where)
+            sparse[k] = _categories(parts[1 + d :], fmt, where)
+            k += 1
+            if k == chunk_lines:
+                yield labels, dense, sparse
+                labels, dense, sparse = fresh()
+                k = 0
+    if k:
+        yield labels[:k], dense[:k], sparse[:k]
+
+
+def _numbered_lines(handle: BinaryIO, max_lines: int | None) -> Iterator[tuple[int, bytes]]:
+    """``(line number, line without its end)`` for the first ``max_lines`` lines."""
+    number = 0
+    for raw in handle:
+        for piece in _LONE_CR.split(raw) if b"\r" in raw else (raw,):
+            if not piece:  # after a "\r" that ends the file
+                continue
+            number += 1
+            if max_lines is not None and number > max_lines:
+                return
+            yield number, piece.rstrip(b"\r\n")
+
+
+def _dense_values(texts: list[str], where: str) -> list[float]:
+    try:
+        return [math.log1p(max(int(text), 0)) if text else 0.0 for text in texts]
+    except (ValueError, OverflowError):
+        pass
+    for j, text in enumerate(texts):  # find the bad one
+        try:
+            if text:
+                math.log1p(max(int(text), 0))
+        except ValueError:
+            raise ValueError(
+                f"{where}: integer feature I{j + 1} = {text!r} is not an integer"
+            ) from None
+        except OverflowError:
+            raise ValueError(
+                f"{where}: integer feature I{j + 1} = {text[:20]}... is too large for a float"
+            ) from None
+    raise AssertionError("unreachable: a value failed to parse, then parsed")
+
+
+def _categories(texts: list[str], fmt: _CriteoFormat, where: str) -> list[int]:
+    rows = fmt.table_rows
+    if fmt.categorical == "hash":
+        try:
+            return [int(text, 16) % n if text else 0 for text, n in zip(texts, rows, strict=True)]
+        except ValueError:
+            pass
+    return [_category(text, rows[t], fmt.categorical, where, t) for t, text in enumerate(texts)]
 
 
 def _category(text: str, rows: int, mode: str, where: str, table: int) -> int:
@@ -504,3 +723,179 @@ def _category(text: str, rows: int, mode: str, where: str, table: int) -> int:
             f"{rows} rows (0..{rows - 1}); pass larger table_rows or categorical='hash'"
         )
     return value
+
+
+# ---- the on-disk cache of a parsed Criteo file (see [Note: shipping click logs to workers])
+
+
+_CACHE_VERSION = 1
+_HEAD_BYTES = 1 << 20
+_ARRAYS = (("labels", np.float32), ("dense", np.float32), ("sparse", np.int64))
+
+# Samples already mapped in this process, by fingerprint.
+_LOADED: dict[str, ClickBatch] = {}
+_LOADED_LOCK = threading.Lock()
+
+
+def _default_cache_dir() -> Path:
+    if os.environ.get("CHECKFREE_CACHE_DIR"):
+        return Path(os.environ["CHECKFREE_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "checkfree"
+
+
+def _cache_key(path: Path, fmt: _CriteoFormat) -> str:
+    stat = path.stat()
+    with path.open("rb") as handle:
+        head = hashlib.sha256(handle.read(_HEAD_BYTES)).hexdigest()
+    ident = {
+        "version": _CACHE_VERSION,
+        "path": str(path.resolve()),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "head_sha256": head,
+        "format": dataclasses.asdict(fmt),
+    }
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _criteo_cache(
+    path: str, fmt: _CriteoFormat, cache_dir: str | None, chunk_lines: int = _CHUNK_LINES
+) -> dict[str, Any]:
+    """The cache's metadata (``samples``, ``fingerprint``, ``dir``), parsing the file if no
+    cache of this file and format exists yet.
+
+    Concurrent callers on one machine take a lock, so the file is parsed once; the cache
+    appears under its final name only when complete.
+
+    Raises:
+        ValueError: for a bad file or line (see `read_criteo`), or an unwritable cache folder.
+    """
+    p = _criteo_path(path)
+    root = (Path(cache_dir) if cache_dir is not None else _default_cache_dir()) / "criteo"
+    key = _cache_key(p, fmt)
+    final = root / key
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lock = (root / f"{key}.lock").open("a")
+    except OSError as err:
+        raise ValueError(
+            f"cannot write the Criteo cache folder {root} ({err}); pass another cache_dir or "
+            "set CHECKFREE_CACHE_DIR"
+        ) from None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        meta = _read_meta(final, fmt)
+        if meta is None:
+            shutil.rmtree(final, ignore_errors=True)
+            _write_cache(p, fmt, root, final, chunk_lines)
+            meta = _read_meta(final, fmt)
+            assert meta is not None, f"the Criteo cache {final} was just written"
+    return meta
+
+
+def _read_meta(folder: Path, fmt: _CriteoFormat) -> dict[str, Any] | None:
+    """A complete cache's metadata, or None if there is none (or it is damaged)."""
+    try:
+        meta: dict[str, Any] = json.loads((folder / "meta.json").read_text())
+        n = meta["samples"]
+        widths = {"labels": 1, "dense": fmt.dense_features, "sparse": len(fmt.table_rows)}
+        for name, dtype in _ARRAYS:
+            if (folder / name).stat().st_size != n * widths[name] * np.dtype(dtype).itemsize:
+                return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    meta["dir"] = str(folder)
+    return meta
+
+
+def _write_cache(path: Path, fmt: _CriteoFormat, root: Path, final: Path, chunk_lines: int) -> None:
+    started = time.monotonic()
+    _log.info("parsing Criteo file %s into the cache %s", path, final)
+    partial = Path(tempfile.mkdtemp(prefix=f"{final.name}.partial-", dir=root))
+    try:
+        digests = [hashlib.sha256() for _ in _ARRAYS]
+        outputs = [(partial / name).open("wb") for name, _ in _ARRAYS]
+        samples = 0
+        try:
+            for chunk in _criteo_chunks(path, fmt, chunk_lines):
+                samples += len(chunk[0])
+                for array, out, digest in zip(chunk, outputs, digests, strict=True):
+                    data = np.ascontiguousarray(array).data
+                    out.write(data)
+                    digest.update(data)
+        finally:
+            for out in outputs:
+                out.close()
+        if not samples:
+            raise ValueError(f"Criteo file {path} holds no samples")
+        shape = (samples, fmt.dense_features, len(fmt.table_rows))
+        meta = {
+            "source": str(path.resolve()),
+            "samples": samples,
+            "fingerprint": _fingerprint(*(d.digest() for d in digests), shape=shape),
+        }
+        (partial / "meta.json").write_text(json.dumps(meta, indent=1))
+        partial.rename(final)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    _log.info("parsed %d samples of %s in %.1f s", samples, path, time.monotonic() - started)
+
+
+def _load_criteo(recipe: dict[str, Any], fingerprint: str, source: str) -> ClickBatch:
+    """The samples of a `ClickDataset.from_criteo` recipe, mapped once per process."""
+    samples = _LOADED.get(fingerprint)
+    if samples is not None:
+        return samples
+    with _LOADED_LOCK:
+        samples = _LOADED.get(fingerprint)
+        if samples is None:
+            fmt: _CriteoFormat = recipe["format"]
+            try:
+                meta = _criteo_cache(recipe["path"], fmt, recipe["cache_dir"])
+            except ValueError as err:
+                raise RuntimeError(
+                    f"cannot rebuild the click data ({source}) in this process: {err}. Pass a "
+                    "data file that is present at the same path on every node."
+                ) from err
+            if meta["fingerprint"] != fingerprint:
+                raise RuntimeError(
+                    f"the click data differs between machines: this process parsed {source} "
+                    f"into samples with fingerprint {meta['fingerprint'][:16]}, but the dataset "
+                    f"was made of {fingerprint[:16]}. Pass a data file that is identical on "
+                    "every node."
+                )
+            samples = _map_cache(Path(meta["dir"]), meta["samples"], fmt)
+            _LOADED[fingerprint] = samples
+    return samples
+
+
+def _map_cache(folder: Path, samples: int, fmt: _CriteoFormat) -> ClickBatch:
+    shapes = {
+        "labels": (samples,),
+        "dense": (samples, fmt.dense_features),
+        "sparse": (samples, len(fmt.table_rows)),
+    }
+    arrays = {}
+    for name, dtype in _ARRAYS:
+        shape = shapes[name]
+        # Copy-on-write: torch wants writable arrays, and nothing may write the cache.
+        arrays[name] = (
+            np.memmap(folder / name, dtype=dtype, mode="c", shape=shape)
+            if math.prod(shape)
+            else np.zeros(shape, dtype=dtype)
+        )
+    return ClickBatch(**{name: torch.from_numpy(a) for name, a in arrays.items()})
+
+
+def _digest(array: np.ndarray) -> bytes:
+    return hashlib.sha256(np.ascontiguousarray(array).data).digest()
+
+
+def _fingerprint(labels: bytes, dense: bytes, sparse: bytes, *, shape: tuple[int, int, int]) -> str:
+    """Identifies samples: their shape and the SHA-256 of each array's bytes."""
+    n, d, tables = shape
+    digest = hashlib.sha256(f"checkfree-clicks/v1 n={n} dense={d} tables={tables}\n".encode())
+    for part in (labels, dense, sparse):
+        digest.update(part)
+    return digest.hexdigest()
