@@ -36,21 +36,32 @@ def replacement_node(
     rank: int,
     assignment: Mapping[int, str],
     alive: Sequence[str],
+    spares: Mapping[str, int] | None = None,
 ) -> str:
     """The node on which to start the replacement of ``rank``.
 
-    ``assignment`` maps every rank to its current (or last) node.
+    ``assignment`` maps every rank to its current (or last) node; ``spares`` counts the
+    hot spares ready on each node. Never a node that holds another replica of the rank's
+    stage while one without exists (a replica on every node is what survives a node
+    loss). Among the allowed nodes: its previous node if a spare waits there, else a node
+    with a spare (a warm start), else its previous node, else the least loaded.
 
     Raises:
         ValueError: if no node is alive.
     """
     if not alive:
         raise ValueError("no alive Ray node to start a replacement worker on")
-    previous = assignment.get(rank)
-    if previous is not None and previous in alive:
-        return previous
+    spares = spares or {}
     stage = topology.worker(rank).stage
     siblings = {assignment[r] for r in topology.stage_group(stage) if r != rank and r in assignment}
-    load = Counter(node for r, node in assignment.items() if r != rank and node in alive)
     candidates = [n for n in sorted(alive) if n not in siblings] or sorted(alive)
+    load = Counter(node for r, node in assignment.items() if r != rank and node in alive)
+    previous = assignment.get(rank)
+    if previous in candidates and spares.get(previous, 0) > 0:
+        return previous
+    warm = [n for n in candidates if spares.get(n, 0) > 0]
+    if warm:
+        return min(warm, key=lambda n: (load[n], n))
+    if previous is not None and previous in alive:
+        return previous
     return min(candidates, key=lambda n: (load[n], n))

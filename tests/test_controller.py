@@ -129,3 +129,36 @@ def test_a_lost_node_takes_its_workers_and_they_come_back_elsewhere(oracle) -> N
     assert sorted(controller.topology.rank(s, r) for s, r in event.lost) == doomed
     assert victim not in {controller.members.assignment[r] for r in range(4)}
     assert_equal_states(controller.final_states, oracle)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("nodes", "victim", "warm"),
+    [(4, "node-1", True), (3, "node-0", False), (3, "node-1", True)],
+    # The last: 2 nodes left for 3 replicas, so replicas must share one; the spare is used.
+    ids=["spare-on-an-idle-node", "spare-dies-with-its-node", "fewer-nodes-than-replicas"],
+)
+def test_a_node_loss_with_a_hot_spare_keeps_replicas_apart_and_ends_exact(
+    nodes: int, victim: str, warm: bool
+) -> None:
+    """With ``hot_spares=1`` (train.py's default) a node loss never ends the job while a
+    replica of every stage lives. The spare starts on the least loaded node (an idle one
+    can stand in for anyone); it is used only where no other replica of the stage runs,
+    and one that died with its node is replaced by a fresh worker."""
+    top = Topology(2, 3)
+    clean, _ = make(mlp_spec(), top, nodes=nodes)
+    drive(clean)
+    controller, group = make(mlp_spec(), top, policy=RecoveryPolicy(hot_spares=1), nodes=nodes)
+    assert group.spare_nodes() == [f"node-{nodes - 1}" if nodes == 4 else "node-0"]
+    while controller.step < 2:
+        controller.advance()
+    assert group.remove_node(victim), "the victim node ran no worker"
+    drive(controller)
+    assert controller.phase is Phase.FINISHED, controller.error
+    (event,) = controller.events
+    placed = controller.members.assignment
+    apart = min(top.replicas, nodes - 1)  # as many nodes as are left, at most one each
+    for s in range(top.stages):  # the placement invariant survives the recovery
+        assert len({placed[r] for r in top.stage_group(s)}) == apart, placed
+    assert victim not in placed.values()
+    assert any(a["warm"] for a in event.actions) == warm, event.actions
+    assert_equal_states(controller.final_states, clean.final_states)  # type: ignore[attr-defined]

@@ -9,7 +9,7 @@ import torch
 from ray.cluster_utils import Cluster
 
 from parallelism import Topology
-from recovery import Trainer
+from recovery import RecoveryPolicy, Trainer
 from recovery.pool import POOL
 from recovery.runtime import Controller, ControllerConfig, Phase
 from tests.workloads import mlp_spec
@@ -36,11 +36,14 @@ def cluster():  # type: ignore[no-untyped-def]
 
 
 def test_losing_a_node_keeps_training_exact(cluster) -> None:  # type: ignore[no-untyped-def]
+    """With train.py's default of one hot spare: the spare is never used to put two
+    replicas of a stage on one node, and a spare lost with its node is not waited for."""
     c, worker_nodes = cluster
     spec, top, steps = mlp_spec(), Topology(2, 3), 6
     oracle = Trainer(spec, topology=top).fit(steps)
 
-    controller = Controller(spec, top, ControllerConfig(backend="gloo"))
+    policy = RecoveryPolicy(hot_spares=1)
+    controller = Controller(spec, top, ControllerConfig(backend="gloo"), policy=policy)
     try:
         controller.start()
         controller.target_steps = steps
@@ -59,6 +62,8 @@ def test_losing_a_node_keeps_training_exact(cluster) -> None:  # type: ignore[no
         (event,) = controller.events
         assert sorted(top.rank(s, r) for s, r in event.lost) == doomed
         assert all(i.node_id != victim.node_id for i in controller.infos().values())
+        for s in range(top.stages):  # 2 nodes left: the 3 replicas of a stage on both
+            assert len({controller.infos()[r].node_id for r in top.stage_group(s)}) == 2
         states = controller.states()
         losses = [r.loss for r in controller.records]
     finally:

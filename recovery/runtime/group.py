@@ -184,6 +184,11 @@ class WorkerGroup(abc.ABC):
     def spare_count(self) -> int:
         """Hot spares held (ready or warming up)."""
 
+    @abc.abstractmethod
+    def spare_nodes(self) -> list[str]:
+        """The node of each hot spare held, as far as the group knows it is alive. `start`
+        with ``spares=True`` takes a spare only on the node it is asked for."""
+
     # -- calls -------------------------------------------------------------------------
 
     @abc.abstractmethod

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Collection
 from typing import Any
 
@@ -116,9 +117,17 @@ class Membership:
         return any(self.assignment.get(r) in self.lost_nodes for r in ranks)
 
     def replacements(self, ranks: Collection[int]) -> dict[int, str]:
-        """A node for each rank to rebuild, keeping replicas of a stage apart."""
+        """A node for each rank to rebuild, keeping replicas of a stage apart and using the
+        hot spares where that rule allows (a spare is only taken on its own node)."""
         nodes = [n for n in self.group.nodes() if n not in self.lost_nodes] or self.group.nodes()
-        return {r: replacement_node(self.topology, r, self.assignment, nodes) for r in ranks}
+        spares = Counter(n for n in self.group.spare_nodes() if n in nodes)
+        placement: dict[int, str] = {}
+        planned = dict(self.assignment)
+        for rank in sorted(ranks):
+            node = replacement_node(self.topology, rank, planned, nodes, spares)
+            placement[rank] = planned[rank] = node
+            spares[node] -= 1
+        return placement
 
     def start(
         self, placement: dict[int, str], *, what: str, spares: bool = False, parked: bool = False
@@ -146,10 +155,17 @@ class Membership:
         return warm
 
     def add_spares(self, count: int) -> None:
-        """Start ``count`` more hot spares, round-robin over the live nodes, warming up."""
+        """Start ``count`` more hot spares, warming up, each on the live node that holds the
+        fewest workers and spares: a spare can stand in only for a worker whose stage has
+        no other replica on its node, so an idle node's spare can replace anyone."""
         nodes = self.live_nodes()
-        first = self.group.spare_count()
-        picks = [nodes[(first + i) % len(nodes)] for i in range(max(0, count))]
+        load = Counter(n for n in self.assignment.values() if n in nodes)
+        load.update(n for n in self.group.spare_nodes() if n in nodes)
+        picks = []
+        for _ in range(max(0, count)):
+            node = min(nodes, key=lambda n: (load[n], nodes.index(n)))
+            picks.append(node)
+            load[node] += 1
         warm = ("warm", (self.spec, self.topology, self.backend))
         self.group.add_spares(picks, lambda: warm)
 

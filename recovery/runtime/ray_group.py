@@ -212,12 +212,24 @@ class RayWorkerGroup(WorkerGroup):
         return len(self._spares)
 
     def spare_count(self) -> int:
-        return len(self._spares)
+        return len(self.spare_nodes())
+
+    def spare_nodes(self) -> list[str]:
+        alive = set(self.nodes())
+        gone = [spare for spare in self._spares if spare[1] not in alive]
+        for spare in gone:  # a spare on a lost node: forget it (and make sure it is gone)
+            self._spares.remove(spare)
+            actor = spare[0]
+            self._warming.pop(id(actor), None)
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        return [node for _, node in self._spares]
 
     def _take_spare(self, node: str) -> Any | None:
-        """A spare on ``node``, else any spare (the caller's info() call awaits its warm-up)."""
-        index = next((i for i, (_, n) in enumerate(self._spares) if n == node), 0)
-        if not self._spares:
+        """A spare on ``node`` (the caller's info() call awaits its warm-up), if any. Never
+        one elsewhere: the placement chose ``node`` to keep a stage's replicas apart."""
+        index = next((i for i, (_, n) in enumerate(self._spares) if n == node), None)
+        if index is None:
             return None
         actor = self._spares.pop(index)[0]
         self._warming.pop(id(actor), None)

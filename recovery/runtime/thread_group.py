@@ -174,10 +174,9 @@ class ThreadWorkerGroup(WorkerGroup):
         return out, warm
 
     def _take_spare(self, node: str) -> _Worker | None:
-        live = [s for s in self._spares if not s.dead.is_set()]
-        if not live:
+        spare = next((s for s in self._spares if s.node == node and not s.dead.is_set()), None)
+        if spare is None:
             return None
-        spare = next((s for s in live if s.node == node), live[0])
         self._spares.remove(spare)
         warming = self._warming.pop(id(spare), None)
         if warming is not None:
@@ -232,6 +231,9 @@ class ThreadWorkerGroup(WorkerGroup):
 
     def spare_count(self) -> int:
         return len(self._spares)
+
+    def spare_nodes(self) -> list[str]:
+        return [s.node for s in self._spares if not s.dead.is_set()]
 
     # -- calls -------------------------------------------------------------------------
 
