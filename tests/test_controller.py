@@ -16,6 +16,7 @@ import torch
 
 from parallelism import Topology
 from recovery import Hang, Kill, KillPoint, RecoveryError, RecoveryPolicy
+from recovery.policy import Timeouts
 from recovery.runtime import Phase
 from tests.jobs import STEPS, drive, make
 from tests.workloads import mlp_spec
@@ -161,4 +162,46 @@ def test_a_node_loss_with_a_hot_spare_keeps_replicas_apart_and_ends_exact(
         assert len({placed[r] for r in top.stage_group(s)}) == apart, placed
     assert victim not in placed.values()
     assert any(a["warm"] for a in event.actions) == warm, event.actions
+    assert_equal_states(controller.final_states, clean.final_states)  # type: ignore[attr-defined]
+
+
+def test_a_survivor_that_does_not_answer_the_recovery_is_killed_and_replaced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A survivor stuck in ``prepare_recovery`` past ``timeouts.control`` is counted lost
+    and killed -- not left running and holding its resources (a GPU under NCCL)."""
+    from recovery.worker import StageWorker
+
+    top = Topology(2, 3)
+    clean, _ = make(mlp_spec(), top)
+    drive(clean)
+    stuck = top.rank(1, 1)
+    real = StageWorker.prepare_recovery
+
+    def prepare(self: StageWorker):  # type: ignore[no-untyped-def]
+        if self.rank == stuck:
+            time.sleep(3.0)
+        return real(self)
+
+    monkeypatch.setattr(StageWorker, "prepare_recovery", prepare)
+    policy = RecoveryPolicy(timeouts=Timeouts(control=0.5))  # type: ignore[arg-type]
+    controller, group = make(mlp_spec(), top, Kill(step=2, stage=1, replica=0), policy=policy)
+    worker = group._workers[stuck]
+    started = group.started
+    dead_when_replaced = []
+    start = group.start
+
+    def replace(placement, **kwargs):  # type: ignore[no-untyped-def]
+        dead_when_replaced.append(worker.dead.is_set())
+        return start(placement, **kwargs)
+
+    monkeypatch.setattr(group, "start", replace)
+    drive(controller)
+    assert controller.phase is Phase.FINISHED, controller.error
+    (event,) = controller.events
+    assert sorted(event.lost) == [(1, 0), (1, 1)]
+    # Killed as soon as it missed the deadline: its resources (a GPU under NCCL) are free
+    # before its replacement is started.
+    assert dead_when_replaced == [True], "the stuck survivor was left running"
+    assert group.started == started + 2  # fresh workers for both
     assert_equal_states(controller.final_states, clean.final_states)  # type: ignore[attr-defined]
