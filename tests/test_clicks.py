@@ -3,13 +3,18 @@ reader."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import pickle
+import tracemalloc
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
+from parallelism.workloads import clicks
 from parallelism.workloads.clicks import ClickBatch, ClickDataset, ClickLogs, read_criteo
 from parallelism.workloads.dlrm import ShardLayout, roc_auc
 
@@ -164,3 +169,150 @@ def test_read_criteo_rejects_ids_out_of_range_anywhere_in_the_file(tmp_path: Pat
     empty.write_text("")
     with pytest.raises(ValueError, match="holds no samples"):
         read_criteo(empty, (3,))
+
+
+# ---- Criteo at scale: streaming, the cache, shipping a recipe -------------------------
+
+CRITEO_ROWS = [1000 + 37 * t for t in range(26)]
+
+
+def criteo_file(path: Path, lines: int, seed: int = 0) -> Path:
+    """A Criteo-shaped file with the format's corner cases: empty values, negative and
+    beyond-int64 integers, ``0x``-prefixed hashes, empty lines, and ``\n`` then ``\r\n``
+    line ends."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(lines):
+        dense = [str(v) if v != 7 else "" for v in rng.integers(-5, 2000, 13)]
+        if i % 97 == 0:
+            dense[0] = str(10**25)
+        cats = [f"{v:08x}" if v % 11 else "" for v in rng.integers(0, 2**32, 26)]
+        if i % 89 == 0:
+            cats[3] = "0xABC"
+        out.append("\t".join([str(int(rng.integers(0, 2))), *dense, *cats]))
+        if i % 101 == 0:
+            out.append("")
+    text = "\n".join(out[: lines // 2]) + "\r\n" + "\r\n".join(out[lines // 2 :])
+    path.write_bytes(text.encode())
+    return path
+
+
+def _batches_digest(dataset: ClickDataset) -> str:
+    digest = hashlib.sha256()
+    batches = [dataset(step, replica, 2) for step in range(5) for replica in range(2)]
+    batches += [dataset.validation(i, 1, 2) for i in range(3)] + [dataset.heldout(37)]
+    for b in batches:
+        for t in (b.dense, b.sparse, b.labels):
+            digest.update(t.numpy().tobytes())
+    return digest.hexdigest()
+
+
+# Digests of the samples and of a fixed set of batches of criteo_file(..., 3000, seed=5),
+# computed with the reader this streaming one replaced (Python lists for the whole file).
+OLD_SAMPLES = "50f0208d65b5da862ffb59a18ea52d50232e77fd5e77a1137baa086a07e6c9ae"
+OLD_BATCHES = "c5121f56af6f9b1956d76954401d4d96e3de91da5f9aa873850c714425299145"
+
+
+def test_streaming_reader_gives_the_old_readers_samples_and_batches(tmp_path: Path) -> None:
+    path = criteo_file(tmp_path / "day.tsv", 3000, seed=5)
+    args: dict[str, Any] = {"batch_size": 16, "microbatches": 2, "seed": 3, "val_fraction": 0.1}
+    for chunk_lines in (7, 8192):  # chunk boundaries inside the file, and none
+        samples = read_criteo(path, CRITEO_ROWS, chunk_lines=chunk_lines)
+        digest = hashlib.sha256()
+        for t in (samples.dense, samples.sparse, samples.labels):
+            digest.update(t.numpy().tobytes())
+        assert len(samples) == 3000 and digest.hexdigest() == OLD_SAMPLES
+    assert _batches_digest(ClickDataset(samples, **args)) == OLD_BATCHES
+    mapped = ClickDataset.from_criteo(path, CRITEO_ROWS, cache_dir=tmp_path / "cache", **args)
+    assert _batches_digest(mapped) == OLD_BATCHES
+    assert mapped.fingerprint == ClickDataset(samples, **args).fingerprint
+
+
+def test_parsing_memory_is_bounded_by_the_chunk_not_the_file(tmp_path: Path) -> None:
+    chunk = 256
+    sample_bytes = 4 + 4 * 13 + 8 * 26
+    peaks = []
+    for lines in (2000, 8000):
+        path = criteo_file(tmp_path / f"{lines}.tsv", lines)
+        fmt = clicks._criteo_format(CRITEO_ROWS, "hash", 13, None)
+        tracemalloc.start()
+        try:
+            meta = clicks._criteo_cache(str(path), fmt, str(tmp_path / "cache"), chunk_lines=chunk)
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+        assert meta["samples"] == lines
+    # Two chunks of arrays (the one written, the one filled), the 1 MiB read to key the
+    # cache, and one line's strings; the file's samples as numpy arrays would be 2.1 MB,
+    # and as the old reader's Python lists (its peak) 12 MB.
+    bound = 2 * chunk * sample_bytes + (1 << 20) + 256 * 1024
+    assert peaks[1] < bound < 8000 * sample_bytes, (peaks, bound)
+    assert peaks[1] < 1.1 * peaks[0], peaks  # four times the file, the same peak
+
+
+def test_dataset_pickles_as_a_recipe_and_rebuilds_where_the_cache_is_missing(
+    tmp_path: Path,
+) -> None:
+    sizes = []
+    for lines in (500, 5000):
+        path = criteo_file(tmp_path / f"{lines}.tsv", lines)
+        dataset = ClickDataset.from_criteo(
+            path, CRITEO_ROWS, batch_size=8, seed=1, cache_dir=tmp_path / "cache"
+        )
+        sizes.append(len(pickle.dumps(dataset)))
+    assert max(sizes) < 1024 and abs(sizes[1] - sizes[0]) < 8, sizes  # digits of the count
+    expected = dataset(4, 1, 2)
+    # Another machine: no samples mapped in the process, no cache on its disk.
+    clicks._LOADED.clear()
+    (tmp_path / "cache").rename(tmp_path / "elsewhere")
+    revived = pickle.loads(pickle.dumps(dataset))
+    assert _equal(revived(4, 1, 2), expected)
+    assert len(list((tmp_path / "cache" / "criteo").glob("*/meta.json"))) == 1
+    # The cache is reused, not parsed again.
+    clicks._LOADED.clear()
+    again = ClickDataset.from_criteo(
+        path, CRITEO_ROWS, batch_size=8, seed=1, cache_dir=tmp_path / "cache"
+    )
+    assert again.fingerprint == dataset.fingerprint
+    # A machine whose file differs refuses to train on it.
+    clicks._LOADED.clear()
+    path.write_bytes(path.read_bytes().replace(b"\n1\t", b"\n0\t", 1))
+    with pytest.raises(RuntimeError, match="differs between machines"):
+        pickle.loads(pickle.dumps(dataset))(0, 0, 1)
+    path.unlink()
+    clicks._LOADED.clear()
+    with pytest.raises(RuntimeError, match="present at the same path on every node"):
+        pickle.loads(pickle.dumps(dataset))(0, 0, 1)
+
+
+def test_every_parse_error_names_the_line_and_leaves_no_cache(tmp_path: Path) -> None:
+    path = criteo_file(tmp_path / "day.tsv", 1500)
+    lines = path.read_bytes().split(b"\n")
+    cache = tmp_path / "cache"
+    # 1-based line numbers past several chunks of 64 lines; the file has empty lines too.
+    for number, bad, message in [
+        (1234, lambda line: line[:9] + b"\xff\xfe" + line[11:], "invalid UTF-8 at byte 10"),
+        (1400, lambda line: line + b"\t1", "41 tab-separated fields, expected 40"),
+        (700, lambda line: b"x" + line[1:], "label 'x' is not 0 or 1"),
+        (801, lambda line: line.replace(b"\t", b"\t1.5\t", 1), "41 tab-separated fields"),
+        (
+            999,
+            lambda line: b"\t".join([*line.split(b"\t")[:1], b"1.5", *line.split(b"\t")[2:]]),
+            "integer feature I1 = '1.5' is not an integer",
+        ),
+        (
+            60,
+            lambda line: b"\t".join([*line.split(b"\t")[:15], b"xyz", *line.split(b"\t")[16:]]),
+            "categorical feature C2 = 'xyz' is not hexadecimal",
+        ),
+    ]:
+        broken = list(lines)
+        body = broken[number - 1].removesuffix(b"\r")
+        broken[number - 1] = bad(body) + broken[number - 1][len(body) :]
+        path.write_bytes(b"\n".join(broken))
+        where = f"{path}:{number}: {message}"
+        with pytest.raises(ValueError, match=where):
+            read_criteo(path, CRITEO_ROWS, chunk_lines=64)
+        with pytest.raises(ValueError, match=where):
+            ClickDataset.from_criteo(path, CRITEO_ROWS, batch_size=4, cache_dir=cache)
+        assert {p.suffix for p in (cache / "criteo").iterdir()} == {".lock"}  # no partial cache
