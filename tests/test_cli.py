@@ -51,12 +51,55 @@ def _check_run(out: Path) -> None:
 @pytest.mark.ray
 @pytest.mark.usefixtures("ray_local")
 def test_train_script_on_embedded_local_ray(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The default run (``--failures auto``) kills two workers and recovers both exactly."""
+    import torch
+
+    from recovery.reference import train_reference
+    from recovery.spec import TrainSpec
+    from tests.test_engine import LOSS_RTOL
+
     train = _train_script()
+    specs: list[TrainSpec] = []
+
+    class Recording(train.Trainer):  # type: ignore[misc, name-defined]
+        def __init__(self, spec: TrainSpec, **kwargs: object) -> None:
+            specs.append(spec)
+            super().__init__(spec, **kwargs)
+
+    monkeypatch.setattr(train, "Trainer", Recording)
     assert train.main([*TINY, "--out", str(tmp_path / "run")]) == 0
     assert "validation loss" in capsys.readouterr().out
     _check_run(tmp_path / "run")
+    # The kills that --help promises for 6 steps of 2 x 2 workers: stage 1 (the last one)
+    # of replica 0 a third of the way in, of replica 1 two thirds in. Each must have fired
+    # and been recovered from the other replica, losing no step.
+    log = tmp_path / "run" / "events.jsonl"  # written at the first recovery
+    events = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    assert [(e["step"], e["cause"], e["lost"]) for e in events] == [
+        (2, "killed", [[1, 0]]),
+        (4, "killed", [[1, 1]]),
+    ], events
+    for event, source in zip(events, ([1, 1], [1, 0]), strict=True):
+        assert event["strategy"] == "replica_copy" and event["lost_steps"] == 0, event
+        assert [a["sources"] for a in event["actions"]] == [[source]], event
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["recoveries"], summary["lost_steps"]) == (2, 0)
+    # Exact recovery: the losses are those of the same model trained in one process with
+    # no failure (recovery.reference), step for step.
+    (spec,) = specs
+    metrics = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [m["step"] for m in metrics] == list(range(6))
+    ref = train_reference(spec, stages=2, replicas=2, steps=6)
+    torch.testing.assert_close(
+        torch.tensor([m["loss"] for m in metrics], dtype=torch.float64),
+        torch.tensor(ref.losses, dtype=torch.float64),
+        rtol=LOSS_RTOL,
+        atol=0,
+    )
 
 
 @pytest.mark.ray
