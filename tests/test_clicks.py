@@ -225,7 +225,7 @@ def test_streaming_reader_gives_the_old_readers_samples_and_batches(tmp_path: Pa
     assert _batches_digest(ClickDataset(samples, **args)) == OLD_BATCHES
     mapped = ClickDataset.from_criteo(path, CRITEO_ROWS, cache_dir=tmp_path / "cache", **args)
     assert _batches_digest(mapped) == OLD_BATCHES
-    assert mapped.fingerprint == ClickDataset(samples, **args).fingerprint
+    assert mapped.samples_fingerprint == ClickDataset(samples, **args).samples_fingerprint
 
 
 def test_parsing_memory_is_bounded_by_the_chunk_not_the_file(tmp_path: Path) -> None:
@@ -273,7 +273,7 @@ def test_dataset_pickles_as_a_recipe_and_rebuilds_where_the_cache_is_missing(
     again = ClickDataset.from_criteo(
         path, CRITEO_ROWS, batch_size=8, seed=1, cache_dir=tmp_path / "cache"
     )
-    assert again.fingerprint == dataset.fingerprint
+    assert again.samples_fingerprint == dataset.samples_fingerprint
     # A machine whose file differs refuses to train on it.
     clicks._LOADED.clear()
     path.write_bytes(path.read_bytes().replace(b"\n1\t", b"\n0\t", 1))

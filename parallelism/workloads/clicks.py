@@ -379,7 +379,8 @@ class ClickDataset(_ClickSource):
     Build one from samples in memory (``ClickDataset(samples, ...)``; pickling then sends
     the samples) or from a Criteo file with `ClickDataset.from_criteo`, which parses the
     file once into a memory-mapped cache and pickles as a recipe (see [Note: shipping
-    click logs to workers]). `fingerprint` identifies the samples either way.
+    click logs to workers]). `samples_fingerprint` identifies the samples either way (not
+    the batches drawn from them, which depend on the other arguments too).
 
     Raises:
         ValueError: for a bad size or fraction, or too few samples to give both splits.
@@ -398,7 +399,7 @@ class ClickDataset(_ClickSource):
         self._setup(len(samples), batch_size, microbatches, seed, val_fraction)
         self._recipe: dict[str, Any] | None = None
         self._inline: ClickBatch | None = samples
-        self.fingerprint = _fingerprint(
+        self.samples_fingerprint = _fingerprint(
             *(_digest(t.numpy()) for t in (samples.labels, samples.dense, samples.sparse)),
             shape=(len(samples), samples.dense.shape[1], samples.sparse.shape[1]),
         )
@@ -450,7 +451,7 @@ class ClickDataset(_ClickSource):
         self._setup(meta["samples"], batch_size, microbatches, seed, val_fraction)
         self._recipe = recipe
         self._inline = None
-        self.fingerprint = meta["fingerprint"]
+        self.samples_fingerprint = meta["fingerprint"]
         self.source = f"Criteo file {recipe['path']} ({meta['samples']} samples)"
         return self
 
@@ -477,7 +478,7 @@ class ClickDataset(_ClickSource):
         if self._inline is not None:
             return self._inline
         assert self._recipe is not None
-        return _load_criteo(self._recipe, self.fingerprint, self.source)
+        return _load_criteo(self._recipe, self.samples_fingerprint, self.source)
 
     def __len__(self) -> int:
         return self._count
@@ -486,7 +487,7 @@ class ClickDataset(_ClickSource):
         return (
             f"ClickDataset({self.source}, batch_size={self.batch_size}, "
             f"microbatches={self.microbatches}, seed={self.seed}, "
-            f"fingerprint={self.fingerprint[:12]})"
+            f"samples_fingerprint={self.samples_fingerprint[:12]})"
         )
 
     def _draw(self, split: str, key: list[int], size: int, *, fixed: bool = False) -> ClickBatch:
