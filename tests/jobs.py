@@ -30,9 +30,11 @@ def make(
     policy: RecoveryPolicy | None = None,
     nodes: int = 2,
     steps: int = STEPS,
+    snapshot_dir: str | None = None,
 ) -> tuple[Controller, ThreadWorkerGroup]:
     """A started job (generation 0 formed) of ``spec`` on ``top``, set to train ``steps``
-    steps with ``faults`` injected, its workers threads spread over ``nodes`` nodes."""
+    steps with ``faults`` injected, its workers threads spread over ``nodes`` nodes
+    (durable snapshots, if the policy takes them, in ``snapshot_dir``)."""
     policy = policy or RecoveryPolicy()
     group = ThreadWorkerGroup(
         layout_for(spec, top, policy, 1).worker_cls, nodes=[f"node-{i}" for i in range(nodes)]
@@ -40,7 +42,7 @@ def make(
     controller = Controller(
         spec,
         top,
-        ControllerConfig(backend="gloo"),
+        ControllerConfig(backend="gloo", snapshot_dir=snapshot_dir),
         policy=policy,
         failures=FailureSchedule(list(faults)),  # type: ignore[arg-type]
         group=group,

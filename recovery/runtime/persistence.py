@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import tempfile
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from parallelism.topology import Topology
 from recovery.errors import RecoveryError, SnapshotCorrupted
+from recovery.identity import job_identity
 from recovery.names import Mode
 from recovery.policy import RecoveryPolicy
 from recovery.runtime.executor import Restore
@@ -64,16 +67,21 @@ class Persistence:
                 or work_dir
                 or tempfile.mkdtemp(prefix="checkfree-ckpt-")
             )
+        self._identity: dict[str, str] | None = None
         self.timings: dict[str, list[float]] = {}
         """Seconds the job was blocked, per kind of work (checkpoint and snapshot writes)."""
 
     def meta(self) -> dict[str, Any]:
-        """What identifies this job in a durable snapshot: a re-run must match it to resume."""
+        """What identifies this job in a durable snapshot: a re-run must match it to resume
+        (the model, optimizer, data, schedule and loss as `recovery.identity` describes them)."""
+        if self._identity is None:
+            self._identity = job_identity(self.spec)
         return {
             "topology": [self.topology.stages, self.topology.replicas],
             "spec": self.spec.name,
             "seed": self.spec.seed,
             "microbatches": self.spec.microbatches,
+            **self._identity,
         }
 
     def restore_context(self) -> Restore:
@@ -113,6 +121,7 @@ class Persistence:
                 "durable_every needs a snapshot folder: set snapshot_dir or a run folder"
             )
         self.durable = DurableStore(self.snapshot_dir)
+        self._check_shared(self.snapshot_dir)
         if not resume:
             return None
         for step in self.durable.steps():
@@ -150,6 +159,39 @@ class Persistence:
                 "its checksums, see the log); move the folder away to start from scratch"
             )
         return None
+
+    def _check_shared(self, root: str) -> None:
+        """Refuse a durable folder some worker cannot see (several nodes, no shared file
+        system): its shard would be written where no one can load it from.
+
+        Raises:
+            ValueError: naming the workers and their nodes.
+        """
+        token = secrets.token_hex(8)
+        probe = Path(root) / f".shared-{token}"
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_text(token)
+        try:
+            seen = self.group.call(
+                "sees_file",
+                args=lambda rank: (str(probe), token),
+                timeout=self.policy.timeouts.control,
+            )
+        finally:
+            probe.unlink(missing_ok=True)
+        require(seen, "check the durable snapshot folder")
+        blind = sorted(rank for rank, ok in seen.results.items() if not ok)
+        if blind:
+            where = ", ".join(
+                f"worker {self.topology.worker(r)} on node {self.group.info(r).node_id or '?'}"
+                for r in blind
+            )
+            raise ValueError(
+                f"durable snapshots need a folder the driver and every worker share, but "
+                f"{where} cannot see {root} (several nodes without a shared file system?). "
+                "Put snapshot_dir on a shared file system (NFS, a cluster volume), or turn "
+                "durable snapshots off (durable_every=None)"
+            )
 
     def note(self, reports: Mapping[int, StepReport]) -> None:
         """Book what the workers report holding; mark complete the durable snapshots that

@@ -10,6 +10,7 @@ described in `recovery.snapshots`, the ``restart`` baseline's checkpoints in
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from parallelism.engine import StepStats
 from recovery.checkpoint import load_checkpoint, save_checkpoint
@@ -83,6 +84,14 @@ class Snapshotting(WorkerLifecycle):
         return self.step
 
     # -- the durable tier ----------------------------------------------------------------
+
+    def sees_file(self, path: str, token: str) -> bool:
+        """Whether ``path`` exists here and holds ``token``: the durable folder is shared
+        with the driver (every worker writes its shard there, the driver commits)."""
+        try:
+            return Path(path).read_text() == token
+        except OSError:
+            return False
 
     def durable_write(self, root: str, step: int) -> float:
         """Start writing this worker's state at ``step`` to the durable tier (asynchronously).

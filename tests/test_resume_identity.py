@@ -1,0 +1,81 @@
+"""A re-run in the folder of an earlier job resumes only if it is the same job: another
+model, optimizer or data is refused by name, before anything is loaded; a durable folder
+some worker cannot see is refused at the start."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from parallelism import Topology
+from recovery import RecoveryPolicy
+from recovery.identity import describe, job_identity
+from recovery.worker import StageWorker
+from tests.jobs import make
+from tests.workloads import adamw, mlp_spec, mlp_stage, regression_batches
+
+TOP = Topology(2, 1)
+POLICY = RecoveryPolicy(snapshot_every=None, durable_every=2)
+
+
+def _run(spec, folder: Path, steps: int = 4):  # type: ignore[no-untyped-def]
+    controller, _ = make(spec, TOP, policy=POLICY, snapshot_dir=str(folder), steps=steps)
+    try:
+        controller.run(steps)  # as Trainer.fit: the durable writes in flight land at the end
+    finally:
+        controller.shutdown()
+    return controller
+
+
+@pytest.mark.parametrize(
+    ("changed", "part"),
+    [
+        ({"make_optimizer": functools.partial(adamw, lr=0.5)}, "optimizer"),
+        ({"batches": functools.partial(regression_batches, size=16)}, "data"),
+        ({"build_stage": functools.partial(mlp_stage, width=16)}, "model"),
+        ({"microbatches": 2}, "microbatches"),
+    ],
+    ids=["lr", "data", "model", "microbatches"],
+)
+def test_another_job_in_the_same_folder_is_refused_naming_what_differs(
+    tmp_path: Path, changed: dict[str, object], part: str
+) -> None:
+    _run(mlp_spec(), tmp_path)
+    with pytest.raises(ValueError, match=rf"written by a different job \({part}: "):
+        _run(mlp_spec(**changed), tmp_path, steps=6)
+
+
+def test_the_same_job_resumes(tmp_path: Path) -> None:
+    first = _run(mlp_spec(), tmp_path)
+    again = _run(mlp_spec(), tmp_path, steps=6)
+    assert first.step == 4 and again.resumed_from == 4 and again.step == 6
+
+
+def test_the_identity_is_the_same_in_every_process_and_sees_inside_callbacks() -> None:
+    spec = mlp_spec()
+    assert job_identity(spec) == job_identity(mlp_spec())
+    assert (
+        "lr=0.5"
+        in job_identity(mlp_spec(make_optimizer=functools.partial(adamw, lr=0.5)))["optimizer"]
+    )
+    a, b = torch.zeros(3), torch.zeros(3)
+    b[1] = 1.0
+    assert describe(a) != describe(b) and describe(a) == describe(torch.zeros(3))
+    assert "0x" not in "".join(job_identity(spec).values())  # no object address
+
+
+def test_a_durable_folder_a_worker_cannot_see_is_refused_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = StageWorker.sees_file
+
+    def blind(self: StageWorker, path: str, token: str) -> bool:
+        return False if self.rank == 1 else real(self, path, token)
+
+    monkeypatch.setattr(StageWorker, "sees_file", blind)
+    with pytest.raises(ValueError, match=r"worker \(1,0\) on node node-\d cannot see"):
+        make(mlp_spec(), TOP, policy=POLICY, snapshot_dir=str(tmp_path))
+    assert not list(tmp_path.glob(".shared-*"))  # the probe is cleaned up
