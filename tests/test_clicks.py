@@ -3,9 +3,12 @@ reader."""
 
 from __future__ import annotations
 
+import datetime
+import fcntl
 import hashlib
 import math
 import pickle
+import threading
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -316,3 +319,44 @@ def test_every_parse_error_names_the_line_and_leaves_no_cache(tmp_path: Path) ->
         with pytest.raises(ValueError, match=where):
             ClickDataset.from_criteo(path, CRITEO_ROWS, batch_size=4, cache_dir=cache)
         assert {p.suffix for p in (cache / "criteo").iterdir()} == {".lock"}  # no partial cache
+
+
+def test_concurrent_builders_parse_once_and_a_held_lock_is_a_bounded_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = criteo_file(tmp_path / "day.tsv", 600)
+    cache = tmp_path / "cache"
+    parses = []
+    real = clicks._criteo_chunks
+
+    def counted(*args: Any) -> Any:
+        parses.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(clicks, "_criteo_chunks", counted)
+    found: list[str] = []
+
+    def build() -> None:
+        dataset = ClickDataset.from_criteo(path, CRITEO_ROWS, batch_size=4, cache_dir=cache)
+        found.append(dataset.samples_fingerprint)
+
+    threads = [threading.Thread(target=build) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(found) == 4 and len(set(found)) == 1 and len(parses) == 1
+    # A writer that died mid-parse leaves a partial folder; the next writer removes it.
+    (key_lock,) = (cache / "criteo").glob("*.lock")
+    key = key_lock.name.removesuffix(".lock")
+    path.write_bytes(path.read_bytes() + b"\n")  # another mtime and size: another key
+    monkeypatch.setattr(clicks, "_LOCK_WAIT", datetime.timedelta(seconds=0.5))
+    new_key = clicks._cache_key(path, clicks._criteo_format(CRITEO_ROWS, "hash", 13, None))
+    assert new_key != key
+    (cache / "criteo" / f"{new_key}.partial-dead").mkdir()
+    with (cache / "criteo" / f"{new_key}.lock").open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(ValueError, match=r"another process has held .* while parsing"):
+            ClickDataset.from_criteo(path, CRITEO_ROWS, batch_size=4, cache_dir=cache)
+    ClickDataset.from_criteo(path, CRITEO_ROWS, batch_size=4, cache_dir=cache)
+    assert not list((cache / "criteo").glob("*.partial-*")) and len(parses) == 2

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import datetime
 import fcntl
 import hashlib
 import json
@@ -731,6 +732,9 @@ def _category(text: str, rows: int, mode: str, where: str, table: int) -> int:
 
 _CACHE_VERSION = 1
 _HEAD_BYTES = 1 << 20
+_LOCK_WAIT = datetime.timedelta(hours=2)
+"""The longest to wait for another process parsing the same file (a Criteo day: minutes)."""
+_PROGRESS_EVERY = 1_000_000
 _ARRAYS = (("labels", np.float32), ("dense", np.float32), ("sparse", np.int64))
 
 # Samples already mapped in this process, by fingerprint.
@@ -765,11 +769,13 @@ def _criteo_cache(
     """The cache's metadata (``samples``, ``fingerprint``, ``dir``), parsing the file if no
     cache of this file and format exists yet.
 
-    Concurrent callers on one machine take a lock, so the file is parsed once; the cache
-    appears under its final name only when complete.
+    Concurrent callers on one machine take a lock, so the file is parsed once (a caller
+    waits at most `_LOCK_WAIT` for another's parse); the cache appears under its final
+    name only when complete, and the partial folders of writers that died are removed.
 
     Raises:
-        ValueError: for a bad file or line (see `read_criteo`), or an unwritable cache folder.
+        ValueError: for a bad file or line (see `read_criteo`), an unwritable cache folder,
+            or a lock held past `_LOCK_WAIT`.
     """
     p = _criteo_path(path)
     root = (Path(cache_dir) if cache_dir is not None else _default_cache_dir()) / "criteo"
@@ -784,14 +790,32 @@ def _criteo_cache(
             "set CHECKFREE_CACHE_DIR"
         ) from None
     with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        _lock(lock, f"{root / key}.lock", p)
         meta = _read_meta(final, fmt)
         if meta is None:
             shutil.rmtree(final, ignore_errors=True)
+            for stale in root.glob(f"{key}.partial-*"):  # its writer died holding the lock
+                shutil.rmtree(stale, ignore_errors=True)
             _write_cache(p, fmt, root, final, chunk_lines)
             meta = _read_meta(final, fmt)
             assert meta is not None, f"the Criteo cache {final} was just written"
     return meta
+
+
+def _lock(handle: Any, name: str, path: Path) -> None:
+    """Take the cache's lock, waiting at most `_LOCK_WAIT` for another parse of the file."""
+    deadline = time.monotonic() + _LOCK_WAIT.total_seconds()
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise ValueError(
+                    f"another process has held {name} for over {_LOCK_WAIT} while parsing "
+                    f"{path}; if it is stuck, end it (the lock is released when it exits)"
+                ) from None
+            time.sleep(0.2)
 
 
 def _read_meta(folder: Path, fmt: _CriteoFormat) -> dict[str, Any] | None:
@@ -819,6 +843,8 @@ def _write_cache(path: Path, fmt: _CriteoFormat, root: Path, final: Path, chunk_
         samples = 0
         try:
             for chunk in _criteo_chunks(path, fmt, chunk_lines):
+                if (samples + len(chunk[0])) // _PROGRESS_EVERY > samples // _PROGRESS_EVERY:
+                    _log.info("parsed %d samples of %s", samples + len(chunk[0]), path)
                 samples += len(chunk[0])
                 for array, out, digest in zip(chunk, outputs, digests, strict=True):
                     data = np.ascontiguousarray(array).data
