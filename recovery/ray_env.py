@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+from typing import Any
 
 import ray
+
+from recovery.runtime.group import EXPECTED_EXITS
 
 
 def connect(*, num_cpus: int | None = None, log_to_driver: bool = False) -> bool:
@@ -27,10 +31,16 @@ def connect(*, num_cpus: int | None = None, log_to_driver: bool = False) -> bool
     """
     if ray.is_initialized():
         return False
+    _quiet_expected_deaths()
     if os.environ.get("RAY_ADDRESS"):
         ray.init(log_to_driver=log_to_driver, logging_level=logging.WARNING)
         return False
     _loopback_only()
+    # Token authentication stays on; its notice is for clusters others connect to, not a
+    # loopback-only Ray this process starts and stops.
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(
+        logging.ERROR
+    )
     ray.init(
         address="local",  # a new local Ray, never some other process's cluster on this machine
         num_cpus=num_cpus or os.cpu_count() or 1,
@@ -70,3 +80,36 @@ def driver_host() -> str:
 def alive_nodes() -> list[str]:
     """Node ids of the alive Ray nodes."""
     return sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+
+
+# -- deaths the job expected -------------------------------------------------------------
+
+_DIED = re.compile(r"A worker died or was killed while executing a task.*Worker PID: (\d+)", re.S)
+
+
+def _quiet_expected_deaths() -> None:
+    """Leave out Ray's paragraph about an unexpected worker death for the deaths the job
+    chose (`recovery.runtime.group.expect_exit`; the controller logs a line of its own);
+    Ray's text stays for every other death. Filters Ray's driver-side error printer (`ray._private.worker.print_to_stdstream`,
+    which its error listener looks up at each call) once per process."""
+    from ray._private import worker
+
+    original = worker.print_to_stdstream
+    if getattr(original, "_checkfree", False):
+        return
+
+    def print_to_stdstream(data: dict[str, Any], ignore_prefix: bool) -> None:
+        if data.get("pid") == "raylet":
+            lines = [line for line in data.get("lines", []) if not _expected(line)]
+            if not lines:
+                return
+            data = {**data, "lines": lines}
+        original(data, ignore_prefix)
+
+    print_to_stdstream._checkfree = True  # type: ignore[attr-defined]
+    worker.print_to_stdstream = print_to_stdstream
+
+
+def _expected(line: str) -> bool:
+    found = _DIED.search(line)
+    return found is not None and int(found.group(1)) in EXPECTED_EXITS

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from parallelism.topology import Topology
 from recovery.faults import FailureSchedule, Fault, Kill, KillNode, WorkerFault
+from recovery.runtime.group import expect_exit
 from recovery.runtime.membership import Membership
 
 __all__ = ["Armed", "InjectedFaults", "fault_time"]
@@ -55,6 +56,10 @@ class InjectedFaults:
                 self._fired.add(fault)
             elif isinstance(fault, WorkerFault):
                 out.setdefault(self.topology.rank(fault.stage, fault.replica), []).append(fault)
+        for rank, faults in out.items():
+            if any(isinstance(f, Kill) for f in faults):
+                with contextlib.suppress(KeyError):  # a rank without a worker dies anyway
+                    expect_exit(membership.group.info(rank).pid, f"injected kill at step {step}")
         return {rank: tuple(faults) for rank, faults in out.items()}
 
     def spend(self, armed: Armed, ranks: Iterable[int] | None = None) -> None:

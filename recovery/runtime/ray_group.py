@@ -21,7 +21,14 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from recovery.errors import CallbackError
 from recovery.pool import POOL
 from recovery.ray_env import alive_nodes, connect, driver_host
-from recovery.runtime.group import Call, CallResults, WorkerGroup, WorkerLost, seconds
+from recovery.runtime.group import (
+    Call,
+    CallResults,
+    WorkerGroup,
+    WorkerLost,
+    expect_exit,
+    seconds,
+)
 from recovery.worker import StageWorker, WorkerInfo
 
 __all__ = ["RayWorkerGroup"]
@@ -179,7 +186,9 @@ class RayWorkerGroup(WorkerGroup):
     def kill(self, ranks: Iterable[int]) -> None:
         for rank in list(ranks):
             actor = self._actors.pop(rank, None)
-            self._infos.pop(rank, None)
+            info = self._infos.pop(rank, None)
+            if info is not None:
+                expect_exit(info.pid, "killed by the controller")
             if actor is not None:
                 with contextlib.suppress(Exception):
                     ray.kill(actor, no_restart=True)
