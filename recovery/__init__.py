@@ -3,13 +3,14 @@
 from parallelism.datasets import batches_from_dataset
 from recovery.errors import RecoveryError, RedundancyExhausted
 from recovery.events import RecoveryEvent
-from recovery.faults import Corrupt, FailureSchedule, Hang, Kill, KillNode, KillPoint
+from recovery.faults import BitFlip, Corrupt, FailureSchedule, Hang, Kill, KillNode, KillPoint
 from recovery.policy import RecoveryPolicy
 from recovery.spec import TrainSpec
 from recovery.strategies.checkfree import CheckFreeConfig
 from recovery.trainer import FitResult, Trainer
 
 __all__ = [
+    "BitFlip",
     "CheckFreeConfig",
     "Corrupt",
     "FailureSchedule",

@@ -10,6 +10,7 @@ Text form (``scripts/train.py --failures``), faults separated by ``;``::
     kill:step=20,stage=1,replica=0[,at=mid_pipeline]
     hang:step=30,stage=2,replica=1
     nan:step=35,stage=0,replica=0   # a NaN written into the weights (silent data corruption)
+    bitflip:step=35,stage=0,replica=2[,seed=0]  # one mantissa bit flipped: finite, wrong
     killnode:step=40,node=1
     poisson:rate=0.02[,seed=0]      # per-worker-step probability, drawn once up front
 """
@@ -93,6 +94,26 @@ class Corrupt(_AtWorker):
 
 
 @dataclass(frozen=True, kw_only=True)
+class BitFlip(_AtWorker):
+    """Flip one mantissa bit of one element of one parameter or optimizer-state tensor of
+    worker ``(stage, replica)`` at ``at`` of step ``step``: silent data corruption that
+    leaves the value finite, so only a fingerprint vote can find it (see
+    `recovery.fingerprint.flip_bit`). The tensor, element and bit are drawn from ``seed``,
+    so a run is reproducible."""
+
+    seed: int = 0
+
+    _word: ClassVar[str] = "bitflip"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_index("seed", self.seed)
+
+    def __str__(self) -> str:
+        return f"{super().__str__()},seed={self.seed}"
+
+
+@dataclass(frozen=True, kw_only=True)
 class KillNode:
     """SIGKILL every worker on the job's ``node``-th Ray node (in node-id order) at step ``step``."""
 
@@ -107,8 +128,8 @@ class KillNode:
         return f"killnode:step={self.step},node={self.node}"
 
 
-Fault = Kill | Hang | Corrupt | KillNode
-WorkerFault = Kill | Hang | Corrupt
+Fault = Kill | Hang | Corrupt | BitFlip | KillNode
+WorkerFault = Kill | Hang | Corrupt | BitFlip
 """Faults that strike one worker (delivered to it with the step)."""
 
 
@@ -130,8 +151,10 @@ class FailureSchedule:
     def __init__(self, faults: Iterable[Fault] = ()) -> None:
         self.faults: tuple[Fault, ...] = tuple(faults)
         for fault in self.faults:
-            if not isinstance(fault, Kill | Hang | Corrupt | KillNode):
-                raise ValueError(f"not a fault: {fault!r} (use Kill, Hang, Corrupt or KillNode)")
+            if not isinstance(fault, Kill | Hang | Corrupt | BitFlip | KillNode):
+                raise ValueError(
+                    f"not a fault: {fault!r} (use Kill, Hang, Corrupt, BitFlip or KillNode)"
+                )
 
     def __iter__(self) -> Iterator[Fault]:
         return iter(self.faults)
@@ -234,18 +257,30 @@ class FailureSchedule:
                             at=_point(fields.pop("at", KillPoint.BEFORE_FORWARD.value)),
                         )
                     )
+                elif kind == "bitflip":
+                    faults.append(
+                        BitFlip(
+                            step=int(fields.pop("step")),
+                            stage=int(fields.pop("stage")),
+                            replica=int(fields.pop("replica", "0")),
+                            at=_point(fields.pop("at", KillPoint.BEFORE_FORWARD.value)),
+                            seed=int(fields.pop("seed", "0")),
+                        )
+                    )
                 elif kind == "killnode":
                     faults.append(
                         KillNode(step=int(fields.pop("step")), node=int(fields.pop("node")))
                     )
                 else:
                     raise ValueError(
-                        f"unknown fault kind {kind!r} in {part!r}; use kill, hang, killnode or poisson"
+                        f"unknown fault kind {kind!r} in {part!r}; use kill, hang, nan, bitflip, killnode or poisson"
                     )
             except KeyError as missing:
                 raise ValueError(f"{part!r} needs a value for {missing}") from None
             except ValueError as exc:
-                if str(exc).startswith(("unknown", "poisson", "step", "stage", "replica", "node")):
+                if str(exc).startswith(
+                    ("unknown", "poisson", "step", "stage", "replica", "node", "seed")
+                ):
                     raise
                 raise ValueError(f"malformed value in {part!r}: {exc}") from None
             if fields:

@@ -43,6 +43,9 @@ class Strategy(StrEnum):
     """Every worker restores the newest consistent snapshot (peer tier, else durable)."""
     RESTART = "restart"
     """The baseline: every worker restarted cold from the last checkpoint."""
+    REPLICA_VOTE = "replica_vote"
+    """Silent corruption: a worker whose fingerprint differs from its stage group's majority
+    is rebuilt from a replica of that majority (exact)."""
 
     @property
     def exact(self) -> bool:

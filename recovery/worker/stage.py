@@ -31,7 +31,8 @@ import torch
 
 from parallelism.schedule import Schedule
 from parallelism.seeding import seed_everything
-from recovery.faults import Corrupt, Fault, Kill, KillPoint, WorkerFault
+from recovery.faults import BitFlip, Corrupt, Fault, Kill, KillPoint, WorkerFault
+from recovery.fingerprint import fingerprint, flip_bit
 from recovery.spec import BatchFn, apply_lr_schedule
 from recovery.worker.reports import StepReport, is_comm_error
 from recovery.worker.snapshots import Snapshotting
@@ -57,14 +58,21 @@ class StageWorker(Snapshotting, StateTransfer):
         super().__init__(threads)
         self._faults: list[WorkerFault] = []
         self._activity = ("idle", time.time())
+        self.flipped = ""
+        """What the last injected `BitFlip` changed (``"<tensor>[<element>] bit <b>"``)."""
 
     # -- the two phases ------------------------------------------------------------------
 
-    def run_step(self, step: int, faults: tuple[Fault, ...] = ()) -> StepReport:
+    def run_step(
+        self, step: int, faults: tuple[Fault, ...] = (), fingerprint: bool = False
+    ) -> StepReport:
         """Phase one: forward, backward and gradient all-reduce of ``step``; apply nothing.
 
         ``faults`` are injected failures to fire at their points of this step or its commit.
-        Returns a failed report (and tears down this generation) on a communication error.
+        With ``fingerprint``, the report carries the fingerprint of the state this step
+        starts from, taken after the all-reduce (see [Note: fingerprint vote] in
+        recovery/vote.py). Returns a failed report (and tears down this generation) on a
+        communication error.
 
         Raises:
             RuntimeError: if ``step`` is not this worker's next step.
@@ -82,7 +90,15 @@ class StageWorker(Snapshotting, StateTransfer):
             return self._failed(step, exc)
         finally:
             self._activity = ("idle", time.time())
-        return self._report(step, stats)
+        report = self._report(step, stats)
+        if fingerprint:
+            report.fingerprint = self.fingerprint()
+        return report
+
+    def fingerprint(self) -> dict[str, str]:
+        """The fingerprint of this worker's parameters and optimizer state (parameters only
+        under ZeRO-1, whose replicas hold different optimizer shards)."""
+        return fingerprint(self.module, self.optimizer if self.zero is None else None)
 
     def commit(self, step: int) -> int:
         """Phase two: apply ``step``'s optimizer update. Returns the new step counter.
@@ -187,6 +203,11 @@ class StageWorker(Snapshotting, StateTransfer):
             if isinstance(fault, Corrupt):
                 with torch.no_grad():  # a flipped bit: nothing fails, the numbers go bad
                     next(self.module.parameters()).view(-1)[0] = float("nan")
+                continue
+            if isinstance(fault, BitFlip):  # finite and wrong: only a fingerprint vote sees it
+                self.flipped = flip_bit(
+                    self.module, self.optimizer if self.zero is None else None, fault.seed
+                )
                 continue
             if isinstance(fault, Kill):
                 self._die()

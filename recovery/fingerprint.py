@@ -1,0 +1,93 @@
+"""Fingerprints of a worker's state, and the bit flip that silent data corruption is.
+
+The replicas of a stage are bit-identical by construction (same seed, same all-reduced
+gradients, same deterministic optimizer), so a hash of the raw bytes of each replica's
+parameters and optimizer state, compared across its stage group, finds a corrupted
+replica exactly (`recovery.vote` compares them). The hash is BLAKE2b over each tensor's
+bytes, one digest per tensor so that a mismatch can name the tensor: a float sum could
+cancel or round a flipped low bit away, a hash of the bytes cannot.
+
+`flip_bit` is what `recovery.faults.BitFlip` does to a worker: one mantissa bit of one
+element, so the value stays finite and the non-finite check never sees it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["Fingerprint", "fingerprint", "flip_bit", "state_tensors"]
+
+Fingerprint = dict[str, str]
+"""Tensor name -> hex digest of its bytes (parameters by name, optimizer state as
+``optim.<parameter name>.<key>``)."""
+
+_DIGEST_BYTES = 8
+"""64-bit digests: a false agreement is a 2^-64 event per tensor."""
+
+_MANTISSA_BITS = {torch.float32: 23, torch.float64: 52, torch.float16: 10, torch.bfloat16: 7}
+"""Mantissa bits per floating dtype: flipping one of them keeps a finite value finite."""
+
+
+def state_tensors(
+    module: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors a fingerprint covers, in a fixed order: parameters, then optimizer state."""
+    names = {}
+    for name, param in module.named_parameters():
+        names[id(param)] = name
+        yield name, param.data
+    if optimizer is None:
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            for key in sorted(state):
+                value = state[key]
+                if isinstance(value, torch.Tensor):
+                    yield f"optim.{names.get(id(param), '?')}.{key}", value
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    data = tensor.detach()
+    if data.device.type != "cpu":
+        data = data.cpu()
+    data = data.contiguous().reshape(-1)
+    if data.dtype == torch.bfloat16:  # numpy has no bfloat16: hash the same bytes as int16
+        data = data.view(torch.int16)
+    return hashlib.blake2b(data.numpy().data, digest_size=_DIGEST_BYTES).hexdigest()
+
+
+def fingerprint(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> Fingerprint:
+    """The fingerprint of ``module``'s parameters and ``optimizer``'s state (None: the
+    parameters only, for a sharded optimizer whose replicas hold different shards)."""
+    return {name: _digest(t) for name, t in state_tensors(module, optimizer)}
+
+
+def flip_bit(module: nn.Module, optimizer: torch.optim.Optimizer | None, seed: int) -> str:
+    """Flip one mantissa bit of one element of one floating tensor of the state, chosen
+    from ``seed`` (a finite value stays finite). Returns ``"<tensor>[<element>] bit <b>"``.
+
+    Raises:
+        ValueError: if the state has no floating tensor with an element.
+    """
+    candidates = [
+        (name, t)
+        for name, t in state_tensors(module, optimizer)
+        if t.dtype in _MANTISSA_BITS and t.numel() > 0
+    ]
+    if not candidates:
+        raise ValueError("a bit flip needs a floating parameter or optimizer tensor")
+    rng = random.Random(seed)
+    name, tensor = rng.choice(candidates)
+    index = rng.randrange(tensor.numel())
+    bit = rng.randrange(_MANTISSA_BITS[tensor.dtype])
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+    with torch.no_grad():
+        flat = tensor.view(-1).view(ints)  # parameters and states are contiguous
+        flat[index] ^= 1 << bit
+    return f"{name}[{index}] bit {bit}"
