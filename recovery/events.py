@@ -49,6 +49,11 @@ class RecoveryEvent:
     interruptions: list[str] = field(default_factory=list)
     """Failures during this recovery, each of which sent it back to planning with more
     workers lost (``"<phase>: <what failed>"``)."""
+    corrupted: list[dict[str, Any]] = field(default_factory=list)
+    """Cause ``corrupted``: per worker outside its stage group's fingerprint majority,
+    ``{"worker": (stage, replica), "tensors": [names whose digest differs], "majority":
+    True}``; with ``"majority": False``, every worker of a stage group that disagreed
+    without a majority (two replicas, or a tie), and the tensors they disagree on."""
     embedding: dict[str, float] | None = None
     """Embedding tables (a restore from a shard mirror): ``rows_exact``, ``rows_stale``,
     ``lost_samples`` (samples whose updates were lost), ``pls_event`` (those over the

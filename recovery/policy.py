@@ -235,6 +235,12 @@ class RecoveryPolicy:
     ones without a cold start."""
     max_recoveries: int | None = None
     """Give up (``RecoveryError``) after this many recoveries; None: never."""
+    fingerprint_every: int | None = None
+    """Silent data corruption: every this many steps each worker fingerprints its stage
+    state before the commit, and a worker whose fingerprint differs from its stage group's
+    majority is rebuilt from it (``replica_vote``), or the job rolls back to the newest
+    snapshot whose fingerprints agreed (see [Note: fingerprint vote] in recovery/vote.py).
+    Needs two or more replicas. None or 0: off."""
     checkfree: CheckFreeConfig = field(default_factory=_default_checkfree)
     """The knobs of CheckFree(+) rebuilds (averaging, learning-rate scale, optimizer reset)."""
     snapshots: SnapshotPolicy = field(default_factory=SnapshotPolicy)
@@ -283,6 +289,7 @@ class RecoveryPolicy:
                 )
         check_int("hot_spares", self.hot_spares, minimum=0)
         check_int("max_recoveries", self.max_recoveries, minimum=0, optional=True)
+        check_int("fingerprint_every", self.fingerprint_every, minimum=0, optional=True)
         for name, cls in _PARTS.items():
             if not isinstance(getattr(self, name), cls):
                 raise ValueError(

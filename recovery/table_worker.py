@@ -151,9 +151,12 @@ class TableWorker(StageWorker):
 
     # -- the two phases ------------------------------------------------------------------
 
-    def run_step(self, step: int, faults: tuple[Fault, ...] = ()) -> StepReport:
+    def run_step(
+        self, step: int, faults: tuple[Fault, ...] = (), fingerprint: bool = False
+    ) -> StepReport:
         """Phase one: lookups, forward, backward, row-gradient exchange, dense all-reduce,
-        and the mirror updates this step will imply. Applies nothing."""
+        and the mirror updates this step will imply. Applies nothing. (No fingerprint:
+        the replicas of a table stage hold different shards, so there is nothing to vote on.)"""
         self._begin_step(step, faults)
         assert self.spec is not None
         batch = cast(ClickBatch, self.spec.batches(step, self.replica, self.topology.replicas))

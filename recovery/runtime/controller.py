@@ -71,6 +71,7 @@ from recovery.runtime.records import (
     step_record,
 )
 from recovery.spec import TrainSpec
+from recovery.vote import Verdict, can_vote, corruption_plan, vote
 from recovery.worker import WorkerInfo
 
 __all__ = ["MAX_INTERRUPTIONS", "Controller", "ControllerConfig", "Phase"]
@@ -186,6 +187,9 @@ class Controller:
         self.started_wall = time.time()
         self.resumed_from: int | None = None
         self.ledger = RedundancyLedger(topology)
+        self.verified = 0
+        """The newest step whose fingerprints agreed in every stage group (see [Note:
+        fingerprint vote] in recovery/vote.py): no worker's state was corrupted then."""
         self._failure: Failure | None = None
         self._recovery: _Recovery | None = None
         self._carried: dict[str, float] = {}
@@ -252,6 +256,9 @@ class Controller:
         self.layout.seed_mirrors(
             self.group, None, {}, self.ledger.ring, self.policy.timeouts.transfer
         )
+        self.verified = self.step
+        if self.policy.fingerprint_every:
+            self.persistence.initial_snapshot(self.step)
         self.started_at = time.perf_counter()
         self.started_wall = time.time()
         self.phase = Phase.RUNNING
@@ -331,7 +338,8 @@ class Controller:
         start = time.perf_counter()
         struck_at = time.time()
         faults = self.faults.arm(step, self.members)
-        outcome = self._everyone("run_step", lambda r: (step, faults.get(r, ())))
+        check = self._check_due(step)
+        outcome = self._everyone("run_step", lambda r: (step, faults.get(r, ()), check))
         if not outcome.ok:
             self._fail(step, outcome, struck_at, faults)
             return
@@ -342,6 +350,14 @@ class Controller:
             numerical = StepOutcome(reports={r: outcome.reports[r] for r in bad})
             self._fail(step, numerical, struck_at, faults, numerical=bad)
             return
+        if check:
+            fingerprints = {r: rep.fingerprint for r, rep in outcome.reports.items()}
+            verdict = vote(self.topology, {r: f for r, f in fingerprints.items() if f})
+            if not verdict.agree:  # never commit it
+                self.faults.spend(faults)
+                self._corrupted(step, verdict, struck_at)
+                return
+            self.verified = step
         commits = self.group.call(
             "commit", args=lambda r: (step,), timeout=self.policy.timeouts.hang
         )
@@ -429,6 +445,44 @@ class Controller:
         )
         self.phase = Phase.RECOVERING
 
+    def _check_due(self, step: int) -> bool:
+        """Whether the workers fingerprint their state at ``step``: every
+        ``fingerprint_every`` steps, and at every snapshot step, so that the newest snapshot
+        known clean is always one the workers still keep (see [Note: fingerprint vote])."""
+        every = self.policy.fingerprint_every or 0
+        if every <= 0:
+            return False
+        snapshots = self.policy.snapshots
+        return any(
+            n and step % n == 0 for n in (every, snapshots.peer_every, snapshots.durable_every)
+        )
+
+    def _corrupted(self, step: int, verdict: Verdict, struck_at: float) -> None:
+        """A fingerprint mismatch at ``step``: take the odd workers out if the majority can
+        rebuild them, else (nobody lost) everyone rolls back; see [Note: fingerprint vote]."""
+        voted = can_vote(verdict, step, self.verified, self.policy)
+        injected = fault_time(self.members.store, self.generation, verdict.suspects)
+        self._failure = Failure(
+            step=step,
+            lost=set(verdict.suspects) if voted else set(),
+            cause="corrupted",
+            detected_at=time.time(),
+            struck_at=injected if injected is not None else struck_at,
+            errors=verdict.describe(self.topology),
+            generation=self.generation,
+            corruption=verdict,
+        )
+        log.warning(
+            "step %d: fingerprints disagree in stage(s) %s (last agreed at step %d): %s",
+            step,
+            list(verdict.mismatched),
+            self.verified,
+            "; ".join(
+                f"{self.topology.worker(r)}: {e}" for r, e in sorted(self._failure.errors.items())
+            ),
+        )
+        self.phase = Phase.RECOVERING
+
     # -- recovery, one phase per transition ----------------------------------------------
 
     def _plan_recovery(self) -> None:
@@ -459,6 +513,16 @@ class Controller:
         redundancy = self.layout.redundancy(self.ledger, rec.alive, rec.assessed)
         numerical = rec.failure.numerical
         try:
+            if rec.failure.corruption is not None:
+                return corruption_plan(
+                    self.topology,
+                    rec.failure.corruption,
+                    step=rec.failure.step,
+                    verified=self.verified,
+                    lost=rec.lost,
+                    redundancy=redundancy,
+                    policy=self.policy,
+                )
             return plan(
                 self.topology,
                 rec.lost,
@@ -526,6 +590,10 @@ class Controller:
         self._pending_event = PendingEvent(event)
         self._failure = self._recovery = None
         self.step = rec.plan.resume_step
+        if rec.plan.strategy == Strategy.REPLICA_VOTE:  # everyone holds the majority's state
+            self.verified = self.step
+        elif rec.plan.tier is not None or rec.plan.strategy == Strategy.RESTART:
+            self.verified = min(self.verified, self.step)  # rolled back: older is all we know
         self.phase = Phase.RUNNING
 
     def _finish_event(self, *, resumed: bool = True) -> None:

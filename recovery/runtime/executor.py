@@ -99,6 +99,7 @@ def _rebuild(ctx: Restore, actions: Sequence[RecoveryAction], step: int) -> Tran
 
 PER_ACTION: dict[Strategy, Callable[[Restore, Sequence[RecoveryAction], int], Transfers]] = {
     Strategy.REPLICA_COPY: _replica_copy,
+    Strategy.REPLICA_VOTE: _replica_copy,
     Strategy.SHARD_MIRROR: _from_mirror,
     Strategy.EMBEDDING_PARTIAL: _from_mirror,
     Strategy.NEIGHBOR_AVERAGE: _rebuild,

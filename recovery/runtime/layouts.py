@@ -181,12 +181,24 @@ def _from_mirrors_only(plan: RecoveryPlan | None) -> bool:
 class ReplicatedStages(StateLayout):
     """Every replica of a stage holds the whole stage: a lost one is copied from a live one."""
 
+    def validate(self, backend: str) -> None:
+        if self.policy.fingerprint_every and self.topology.replicas < 2:
+            raise ValueError(
+                f"fingerprint_every={self.policy.fingerprint_every} needs two or more "
+                f"replicas to compare, the job has {self.topology.replicas}"
+            )
+
 
 class Zero1Shards(StateLayout):
     """ZeRO-1: each stage's optimizer sharded over its replicas; replica ``r``'s shard is
     mirrored on replica ``r+1`` of the same stage (a fixed ring, see parallelism/zero.py)."""
 
     def validate(self, backend: str) -> None:
+        if self.policy.fingerprint_every:
+            raise ValueError(
+                "fingerprint_every does not combine with shard_optimizer (ZeRO-1): the "
+                "replicas of a stage hold different optimizer shards, so they cannot vote"
+            )
         if self.policy.approximate and not self.policy.exact_only:
             raise ValueError(
                 "shard_optimizer (ZeRO-1) does not combine with approximate (CheckFree) "
@@ -236,6 +248,11 @@ class ShardedTables(StateLayout):
         )
 
     def validate(self, backend: str) -> None:
+        if self.policy.fingerprint_every:
+            raise ValueError(
+                "fingerprint_every does not combine with sharded embedding tables: every "
+                "worker holds a different shard, so there is nothing to vote on"
+            )
         if backend != "gloo":
             raise ValueError(
                 f"sharded embedding tables train on the CPU over Gloo, not {backend!r}"

@@ -227,6 +227,14 @@ class Persistence:
         got = self.group.call("flush_snapshots", timeout=self.policy.timeouts.save)
         self.note(got.results)
 
+    def initial_snapshot(self, step: int) -> None:
+        """A peer snapshot of the state training starts from (``step``), when fingerprints
+        are checked: a corruption found before the first scheduled snapshot can then roll
+        back to it (see [Note: fingerprint vote] in recovery/vote.py)."""
+        if self.policy.snapshots.peer_every and self.topology.world_size > 1:
+            hang = self.policy.timeouts.hang
+            self._all("take_snapshot", "take the initial peer snapshots", step, timeout=hang)
+
     # -- after each commit ---------------------------------------------------------------
 
     def after_commit(self, step: int) -> None:

@@ -13,6 +13,7 @@ from parallelism.topology import Topology
 from recovery.errors import RecoveryInterrupted
 from recovery.events import RecoveryEvent
 from recovery.planner import RecoveryPlan
+from recovery.vote import Verdict
 from recovery.worker import StepReport
 
 __all__ = ["Failure", "PendingEvent", "StepRecord", "recovery_event", "step_record"]
@@ -80,6 +81,8 @@ class Failure:
     """A non-finite loss or gradient norm: the live state itself is suspect."""
     suspect: bool = False
     """An interrupted restore overwrote part of some survivors' live state: roll back."""
+    corruption: Verdict | None = None
+    """A fingerprint mismatch (cause ``corrupted``): what the vote found."""
     interruptions: list[str] = field(default_factory=list)
     """What went wrong during the recovery so far (see [Note: re-entrant recovery])."""
 
@@ -162,4 +165,14 @@ def recovery_event(
         detail=failure.describe(topology) + "\n" + plan.describe(topology),
         interruptions=list(failure.interruptions),
         embedding=embedding,
+        corrupted=[]
+        if failure.corruption is None
+        else [
+            {
+                "worker": coords(r),
+                "tensors": list(failure.corruption.tensors.get(r, ())),
+                "majority": r not in failure.corruption.undecided,
+            }
+            for r in sorted(failure.corruption.suspects + failure.corruption.undecided)
+        ],
     )

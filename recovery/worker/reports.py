@@ -51,6 +51,8 @@ class StepReport:
     """Peer snapshots held: rank -> steps (its own rank: its own copies)."""
     durable_done: list[int] = field(default_factory=list)
     """Durable snapshot steps whose write finished since the last report."""
+    fingerprint: dict[str, str] | None = None
+    """The state's fingerprint (`recovery.fingerprint`), on the steps the policy checks."""
 
 
 @dataclass(frozen=True)

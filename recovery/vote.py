@@ -1,0 +1,196 @@
+"""The fingerprint vote: which replicas of a stage hold corrupted state, and what to do.
+
+Pure functions on fingerprints (`recovery.fingerprint`), shared by the runtime and tests:
+``vote(topology, fingerprints) -> Verdict`` compares each stage group's fingerprints and
+names the odd ones out; ``corruption_plan`` turns a verdict into a `RecoveryPlan`.
+
+[Note: fingerprint vote]
+Workers fingerprint their state at the end of phase one of every K-th step, after the
+gradient all-reduce and before the commit, so the state fingerprinted at step ``d`` is
+the state ``d`` steps committed. When the last check on which every stage group agreed
+was at step ``c``, every replica was clean then (a flipped bit stays in the replica it
+hit until that replica is rebuilt). A mismatch at ``d`` means some worker was corrupted
+after its fingerprint at ``c``:
+
+- ``d == c + 1`` and every mismatched stage has a strict majority: step ``c``'s gradients
+  were computed before the corruption (the fingerprint is taken after the all-reduce), so
+  only the odd workers' own state is wrong; step ``d``'s gradients may be wrong
+  everywhere, but ``d`` is not committed. The minority is rebuilt from the majority
+  (``replica_vote``, exact) and ``d`` is re-run.
+- otherwise (K > 1, or no majority: two replicas, or a tie) the corrupted state may have
+  reached the all-reduced gradients of a committed step, which every replica of every
+  stage applied alike, invisibly to any vote. Everyone rolls back to the newest snapshot
+  at or before ``c``, the last step known clean, and the checks go on from there.
+
+A wrong gradient computed on one replica before the all-reduce (a flip in an activation
+or a gradient buffer) reaches every replica the same way and is invisible to a vote; the
+non-finite check still catches a corruption that turns into a NaN or an infinity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+
+from parallelism.topology import Topology
+from recovery.names import Strategy
+from recovery.planner import RecoveryAction, RecoveryPlan, Redundancy, plan
+from recovery.policy import RecoveryPolicy
+
+__all__ = ["Verdict", "can_vote", "corruption_plan", "vote"]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one round of fingerprints says."""
+
+    mismatched: tuple[int, ...] = ()
+    """Stages whose replicas disagree."""
+    majority: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    """Mismatched stage -> the ranks of its strict majority (absent: no majority)."""
+    suspects: tuple[int, ...] = ()
+    """Ranks outside their stage's majority (only stages that have one)."""
+    undecided: tuple[int, ...] = ()
+    """Ranks of the mismatched stages that have no majority (any of them may be corrupted)."""
+    tensors: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
+    """Suspect rank -> the tensors whose digest differs from the majority's; undecided rank
+    -> the tensors on which its stage group disagrees."""
+
+    @property
+    def agree(self) -> bool:
+        return not self.mismatched
+
+    @property
+    def decisive(self) -> bool:
+        """Whether every mismatched stage has a strict majority."""
+        return all(stage in self.majority for stage in self.mismatched)
+
+    def describe(self, topology: Topology) -> dict[int, str]:
+        """Per rank, what the vote found (for a failure's errors)."""
+        out = {}
+        for rank in self.undecided:
+            names = ", ".join(self.tensors.get(rank, ())) or "?"
+            stage = topology.worker(rank).stage
+            out[rank] = f"stage {stage}'s replicas disagree, with no majority, in: {names}"
+        for rank in self.suspects:
+            names = ", ".join(self.tensors.get(rank, ())) or "?"
+            out[rank] = f"fingerprint differs from its stage group's majority in: {names}"
+        return out
+
+
+def vote(topology: Topology, fingerprints: Mapping[int, Mapping[str, str]]) -> Verdict:
+    """Compare the fingerprints of each stage group (ranks that reported none are skipped).
+
+    A strict majority of identical fingerprints is taken as the true state; with two
+    replicas, or a tie, a mismatched stage has none.
+    """
+    mismatched: list[int] = []
+    majority: dict[int, tuple[int, ...]] = {}
+    suspects: list[int] = []
+    undecided: list[int] = []
+    tensors: dict[int, tuple[str, ...]] = {}
+    for stage in range(topology.stages):
+        ranks = [r for r in topology.stage_group(stage) if r in fingerprints]
+        classes: dict[tuple[tuple[str, str], ...], list[int]] = {}
+        for rank in ranks:
+            classes.setdefault(tuple(sorted(fingerprints[rank].items())), []).append(rank)
+        if len(classes) <= 1:
+            continue
+        mismatched.append(stage)
+        biggest = max(classes.values(), key=len)
+        if 2 * len(biggest) <= len(ranks):
+            names = {n for r in ranks for n in fingerprints[r]}
+            split = tuple(
+                sorted(n for n in names if len({fingerprints[r].get(n) for r in ranks}) > 1)
+            )
+            undecided.extend(ranks)
+            tensors.update({rank: split for rank in ranks})
+            continue
+        majority[stage] = tuple(biggest)
+        truth = fingerprints[biggest[0]]
+        for rank in ranks:
+            if rank in biggest:
+                continue
+            suspects.append(rank)
+            mine = fingerprints[rank]
+            tensors[rank] = tuple(
+                sorted(n for n in truth.keys() | mine.keys() if truth.get(n) != mine.get(n))
+            )
+    return Verdict(
+        tuple(mismatched), majority, tuple(sorted(suspects)), tuple(sorted(undecided)), tensors
+    )
+
+
+def can_vote(verdict: Verdict, step: int, verified: int, policy: RecoveryPolicy) -> bool:
+    """Whether the odd workers can be rebuilt from the majority without a rollback (see
+    [Note: fingerprint vote]): a majority everywhere, and no step committed since the
+    last agreeing check at ``verified`` that the corruption could have reached."""
+    return (
+        not verdict.agree
+        and verdict.decisive
+        and step - verified <= 1
+        and policy.allows(Strategy.REPLICA_VOTE)
+    )
+
+
+def corruption_plan(
+    topology: Topology,
+    verdict: Verdict,
+    *,
+    step: int,
+    verified: int,
+    lost: Collection[int],
+    redundancy: Redundancy,
+    policy: RecoveryPolicy,
+) -> RecoveryPlan:
+    """The recovery from a mismatch found at ``step`` (last agreeing check at ``verified``).
+
+    ``lost``: the workers taken out of the job (the suspects, when `can_vote`; more when a
+    recovery was interrupted). Either each suspect is rebuilt from its stage's majority
+    (``replica_vote``, resume at ``step``), or everyone rolls back to the newest snapshot
+    at or before ``verified``.
+
+    Raises:
+        RedundancyExhausted: if a rollback is needed and no snapshot at or before
+            ``verified`` survives for every worker (or the policy forbids rollback).
+    """
+    lost_set = set(lost)
+    if can_vote(verdict, step, verified, policy) and lost_set == set(verdict.suspects):
+        actions: list[RecoveryAction] = []
+        for rank in verdict.suspects:
+            stage = topology.worker(rank).stage
+            sources = [
+                r
+                for r in verdict.majority[stage]
+                if redundancy.alive.get(r) == step and r not in lost_set
+            ]
+            if not sources:
+                break
+            actions.append(
+                RecoveryAction(
+                    rank=rank,
+                    strategy=Strategy.REPLICA_VOTE,
+                    sources=(sources[len(actions) % len(sources)],),
+                )
+            )
+        else:
+            return RecoveryPlan(tuple(actions), resume_step=step, lost=tuple(sorted(lost_set)))
+    return plan(topology, lost_set, clean_before(redundancy, verified), policy, rollback_all=True)
+
+
+def clean_before(redundancy: Redundancy, verified: int) -> Redundancy:
+    """``redundancy`` without the snapshots newer than ``verified`` (they may hold a
+    corrupted state, or one trained on corrupted gradients)."""
+    return dataclasses.replace(
+        redundancy,
+        peer_own={
+            r: [s for s in steps if s <= verified] for r, steps in redundancy.peer_own.items()
+        },
+        peer_held={
+            h: {w: [s for s in steps if s <= verified] for w, steps in wards.items()}
+            for h, wards in redundancy.peer_held.items()
+        },
+        durable_steps=tuple(s for s in redundancy.durable_steps if s <= verified),
+        checkpoint_steps=tuple(s for s in redundancy.checkpoint_steps if s <= verified),
+    )

@@ -1,0 +1,329 @@
+"""Silent data corruption: a flipped bit is found by the replicas' fingerprint vote and the
+job ends exactly where a run that was never corrupted ends.
+
+[Note: fingerprint vote] in recovery/vote.py. The pure vote and its plan are property-
+tested first; then whole jobs over the thread group with a `BitFlip` drawn by hypothesis
+(step, worker, point, seed -- the seed picks the tensor, element and bit -- and K): with
+three replicas the odd one out is named and rebuilt, with two the job rolls back; the
+oracle is an uninterrupted run, model and optimizer state bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from parallelism import Topology
+from recovery import BitFlip, FailureSchedule, KillPoint, RecoveryPolicy
+from recovery.fingerprint import fingerprint, flip_bit, state_tensors
+from recovery.names import Strategy
+from recovery.planner import Redundancy
+from recovery.vote import can_vote, corruption_plan, vote
+from tests.jobs import drive, make
+from tests.workloads import mlp_spec
+
+STEPS = 8
+SLOW = settings(
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
+    phases=[Phase.explicit, Phase.generate],  # each example is a whole job: no shrinking
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+
+
+def flat(state: Any, path: str = "") -> dict[str, Any]:
+    """Every leaf of a nested state dict, by path."""
+    if isinstance(state, dict):
+        return {k: v for key, sub in state.items() for k, v in flat(sub, f"{path}/{key}").items()}
+    if isinstance(state, list | tuple):
+        return {k: v for i, sub in enumerate(state) for k, v in flat(sub, f"{path}/{i}").items()}
+    return {path: state}
+
+
+def assert_same(states: dict, oracle: dict) -> None:  # type: ignore[type-arg]
+    """Model and optimizer state of every worker bit for bit equal to the oracle's."""
+    got, want = flat(states), flat(oracle)
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got[key], value), key
+        else:
+            assert got[key] == value, key
+
+
+def run(top: Topology, *faults: object, policy: RecoveryPolicy | None = None) -> Any:
+    controller, _ = make(mlp_spec(), top, *faults, policy=policy, steps=STEPS, nodes=3)
+    drive(controller)
+    assert controller.error is None, controller.error
+    return controller
+
+
+@pytest.fixture(scope="module")
+def oracles() -> dict[Topology, Any]:
+    return {top: run(top) for top in (Topology(2, 2), Topology(2, 3))}
+
+
+# -- the fault ---------------------------------------------------------------------------
+
+
+def test_bitflip_text_form_round_trips() -> None:
+    top = Topology(2, 3)
+    fault = BitFlip(step=3, stage=1, replica=2, at=KillPoint.AFTER_COMMIT, seed=7)
+    parsed = FailureSchedule.parse(str(fault), topology=top, steps=10)
+    assert list(parsed) == [fault]
+    (default,) = FailureSchedule.parse("bitflip:step=1,stage=0", topology=top, steps=10)
+    assert default == BitFlip(step=1, stage=0, replica=0, seed=0)
+    with pytest.raises(ValueError, match="seed"):
+        BitFlip(step=1, stage=0, replica=0, seed=-1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32))
+def test_a_flip_changes_one_bit_of_one_element_and_leaves_it_finite(seed: int) -> None:
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 1))
+    optimizer = torch.optim.AdamW(module.parameters())
+    module(torch.randn(3, 5)).sum().backward()
+    optimizer.step()
+    before = {n: t.clone() for n, t in state_tensors(module, optimizer)}
+    what = flip_bit(module, optimizer, seed)
+    assert what == flip_bit_description(module, optimizer, before)
+    after = dict(state_tensors(module, optimizer))
+    changed = [n for n in before if not torch.equal(before[n], after[n])]
+    assert len(changed) == 1 and torch.isfinite(after[changed[0]]).all()
+    ints = before[changed[0]].view(-1).view(torch.int32) ^ after[changed[0]].view(-1).view(
+        torch.int32
+    )
+    (index,) = ints.nonzero().flatten().tolist()
+    assert bin(int(ints[index])).count("1") == 1 and int(ints[index]) < 1 << 23  # mantissa
+    assert fingerprint(module, optimizer)[changed[0]] != _digests(before)[changed[0]]
+    assert flip_bit(module, optimizer, seed) == what  # the same seed, the same bit
+
+
+def flip_bit_description(module: Any, optimizer: Any, before: dict[str, torch.Tensor]) -> str:
+    for name, tensor in state_tensors(module, optimizer):
+        diff = (
+            before[name].view(-1).view(torch.int32) ^ tensor.view(-1).view(torch.int32)
+        ).nonzero()
+        if len(diff):
+            index = int(diff[0])
+            bits = int(
+                before[name].view(-1).view(torch.int32)[index]
+                ^ tensor.view(-1).view(torch.int32)[index]
+            )
+            return f"{name}[{index}] bit {bits.bit_length() - 1}"
+    return ""
+
+
+def _digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    module = torch.nn.Module()
+    for i, t in enumerate(tensors.values()):
+        module.register_parameter(f"p{i}", torch.nn.Parameter(t.clone()))
+    got = fingerprint(module, None)
+    return {name: got[f"p{i}"] for i, name in enumerate(tensors)}
+
+
+# -- the pure vote -----------------------------------------------------------------------
+
+
+@st.composite
+def rounds(draw: st.DrawFn) -> tuple[Topology, dict[int, dict[str, str]], set[int]]:
+    """A topology, each rank's fingerprint, and the ranks whose state was corrupted."""
+    top = Topology(draw(st.integers(1, 3)), draw(st.integers(2, 5)))
+    fingerprints, corrupted = {}, set()
+    for rank in range(top.world_size):
+        fp = {"w": "clean-w", "optim.w.exp_avg": "clean-m"}
+        if draw(st.booleans()) and draw(st.booleans()):
+            corrupted.add(rank)
+            tensor = draw(st.sampled_from(sorted(fp)))
+            fp[tensor] = f"bad-{rank}"  # a flipped bit: bytes no other replica holds
+        fingerprints[rank] = fp
+    return top, fingerprints, corrupted
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    case=rounds(),
+    step=st.integers(0, 20),
+    behind=st.integers(0, 5),
+    snapshot_steps=st.lists(st.integers(0, 20), max_size=4),
+)
+def test_the_vote_names_exactly_the_corrupted_and_the_plan_never_trusts_them(
+    case: tuple[Topology, dict[int, dict[str, str]], set[int]],
+    step: int,
+    behind: int,
+    snapshot_steps: list[int],
+) -> None:
+    top, fingerprints, corrupted = case
+    verified = max(0, step - behind)
+    verdict = vote(top, fingerprints)
+    policy = RecoveryPolicy()
+    for stage in range(top.stages):
+        group = set(top.stage_group(stage))
+        bad = group & corrupted
+        assert (stage in verdict.mismatched) == bool(bad)
+        clean_majority = 2 * len(group - bad) > len(group)
+        if bad and clean_majority:
+            assert set(verdict.majority[stage]) == group - bad
+            assert group & set(verdict.suspects) == bad
+            for rank in bad:
+                assert set(verdict.tensors[rank]) == {
+                    n for n, d in fingerprints[rank].items() if d.startswith("bad")
+                }
+        elif bad:  # no majority: nobody is named, everyone is undecided
+            assert stage not in verdict.majority and not group & set(verdict.suspects)
+            assert group <= set(verdict.undecided)
+    assert set(verdict.suspects) <= corrupted
+    assert verdict.agree == (not corrupted)
+
+    voted = can_vote(verdict, step, verified, policy)
+    assert voted == (not verdict.agree and verdict.decisive and step - verified <= 1)
+    lost = set(verdict.suspects) if voted else set()
+    steps = sorted(set(snapshot_steps))
+    redundancy = Redundancy(
+        alive={r: step for r in range(top.world_size) if r not in lost},
+        peer_own={r: steps for r in range(top.world_size) if r not in lost},
+        peer_held={r: {w: steps for w in lost} for r in range(top.world_size) if r not in lost},
+    )
+    if verdict.agree:
+        return
+    try:
+        plan = corruption_plan(
+            top,
+            verdict,
+            step=step,
+            verified=verified,
+            lost=lost,
+            redundancy=redundancy,
+            policy=policy,
+        )
+    except Exception as exc:  # only when a rollback is needed and no clean snapshot exists
+        assert not voted and not [s for s in steps if s <= verified], exc
+        return
+    if voted:
+        assert plan.strategy == Strategy.REPLICA_VOTE and plan.resume_step == step
+        assert {a.rank for a in plan.actions} == set(verdict.suspects)
+        for action in plan.actions:
+            (source,) = action.sources
+            assert source in verdict.majority[top.worker(action.rank).stage]
+            assert source not in corrupted
+    else:
+        assert plan.strategy == Strategy.ROLLBACK
+        assert plan.resume_step == max(s for s in steps if s <= verified)
+        assert {a.rank for a in plan.actions} == set(range(top.world_size))
+
+
+# -- whole jobs --------------------------------------------------------------------------
+
+points = st.sampled_from(list(KillPoint))
+
+
+@SLOW
+@given(
+    step=st.integers(0, 4),
+    stage=st.integers(0, 1),
+    replica=st.integers(0, 2),
+    at=points,
+    seed=st.integers(0, 2**16),
+    every=st.integers(1, 3),
+)
+def test_three_replicas_find_the_flipped_worker_within_k_steps_and_end_exact(
+    oracles: dict[Topology, Any],
+    step: int,
+    stage: int,
+    replica: int,
+    at: KillPoint,
+    seed: int,
+    every: int,
+) -> None:
+    top = Topology(2, 3)
+    flip = BitFlip(step=step, stage=stage, replica=replica, at=at, seed=seed)
+    policy = RecoveryPolicy(fingerprint_every=every, snapshot_every=2)
+    controller = run(top, flip, policy=policy)
+    assert_same(controller.final_states, oracles[top].final_states)
+    if not controller.events:  # rounding absorbed the flip before a check: nothing to find
+        assert every > 1 or at in (KillPoint.BEFORE_COMMIT, KillPoint.AFTER_COMMIT)
+        return
+    (event,) = controller.events
+    assert event.cause == "corrupted"
+    assert [c["worker"] for c in event.corrupted] == [(stage, replica)] and event.corrupted[0][
+        "tensors"
+    ]
+    late = at in (KillPoint.BEFORE_COMMIT, KillPoint.AFTER_COMMIT)
+    assert step + late <= event.step < step + late + every  # found within K steps
+    if every == 1:  # nothing committed since the last agreeing check: no rollback
+        assert event.strategy == Strategy.REPLICA_VOTE and event.lost == [(stage, replica)]
+        assert event.lost_steps == 0
+    assert event.strategy in (Strategy.REPLICA_VOTE, Strategy.ROLLBACK)
+    final = {r.step: r.loss for r in controller.records}  # the last run of each step
+    assert final == {r.step: r.loss for r in oracles[top].records}
+
+
+@SLOW
+@given(
+    step=st.integers(0, 4),
+    stage=st.integers(0, 1),
+    replica=st.integers(0, 1),
+    at=points,
+    seed=st.integers(0, 2**16),
+    every=st.integers(1, 3),
+)
+def test_two_replicas_roll_back_to_the_last_agreeing_snapshot_and_end_exact(
+    oracles: dict[Topology, Any],
+    step: int,
+    stage: int,
+    replica: int,
+    at: KillPoint,
+    seed: int,
+    every: int,
+) -> None:
+    top = Topology(2, 2)
+    flip = BitFlip(step=step, stage=stage, replica=replica, at=at, seed=seed)
+    controller = run(top, flip, policy=RecoveryPolicy(fingerprint_every=every, snapshot_every=2))
+    assert_same(controller.final_states, oracles[top].final_states)
+    if not controller.events:  # rounding absorbed the flip before a check: nothing to find
+        assert every > 1 or at in (KillPoint.BEFORE_COMMIT, KillPoint.AFTER_COMMIT)
+        return
+    (event,) = controller.events
+    assert event.cause == "corrupted" and event.strategy == Strategy.ROLLBACK
+    assert event.lost == [] and {tuple(c["worker"]) for c in event.corrupted} == {
+        (stage, 0),
+        (stage, 1),
+    }
+    assert event.step - event.lost_steps <= step  # resumed from before the flip
+
+
+def test_a_flip_goes_unseen_without_fingerprints(oracles: dict[Topology, Any]) -> None:
+    """The fault is real: without the vote it stays finite and the job ends wrong."""
+    top = Topology(2, 3)
+    controller = run(top, BitFlip(step=2, stage=0, replica=1, seed=3))
+    assert controller.events == []
+    with pytest.raises(AssertionError):
+        assert_same(controller.final_states, oracles[top].final_states)
+
+
+def test_fingerprints_change_no_loss_and_are_off_by_default(oracles: dict[Topology, Any]) -> None:
+    assert RecoveryPolicy().fingerprint_every is None
+    top = Topology(2, 3)
+    checked = run(top, policy=RecoveryPolicy(fingerprint_every=1))
+    assert checked.events == [] and checked.verified == STEPS - 1
+    assert [r.loss for r in checked.records] == [r.loss for r in oracles[top].records]
+    assert_same(checked.final_states, oracles[top].final_states)
+
+
+def test_fingerprints_need_replicas_and_a_replicated_layout() -> None:
+    with pytest.raises(ValueError, match="two or more replicas"):
+        make(mlp_spec(), Topology(2, 1), policy=RecoveryPolicy(fingerprint_every=5))
+    with pytest.raises(ValueError, match="ZeRO-1"):
+        make(
+            mlp_spec(shard_optimizer=True),
+            Topology(2, 2),
+            policy=RecoveryPolicy(fingerprint_every=5),
+        )
+    with pytest.raises(ValueError, match="fingerprint_every"):
+        RecoveryPolicy(fingerprint_every=-1)
