@@ -106,6 +106,10 @@ class StageEngine:
         self.topology = topology
         self.loss_fn = loss_fn
         self.device = device
+        self.progressed_at = time.monotonic()
+        """When this stage last finished an action of its schedule (or its all-reduce), on
+        the monotonic clock: what hang detection measures a stall from, so that a long
+        healthy step is not a hang and a stuck one is seen from its last progress."""
         self.clip_grad_norm = clip_grad_norm
         shared_names = set(shared)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -142,6 +146,7 @@ class StageEngine:
             RuntimeError: on a communication error (a peer died), from the backend.
         """
         stats = StepStats()
+        self.progressed_at = time.monotonic()
         hook = hook or (lambda point: None)
         actions = schedule.for_stage(self.stage)
         num_mb = schedule.num_microbatches
@@ -156,6 +161,7 @@ class StageEngine:
         context = torch.enable_grad() if training else torch.no_grad()
         with context:
             for index, action in enumerate(actions):
+                self.progressed_at = time.monotonic()
                 if index == mid:
                     hook(MID_PIPELINE)
                 m = action.microbatch
@@ -226,7 +232,9 @@ class StageEngine:
         stats.schedule_s = time.perf_counter() - t0
         if training:
             start = time.perf_counter()
+            self.progressed_at = time.monotonic()
             self._reduce_gradients(comm, hook, stats)
+            self.progressed_at = time.monotonic()
             stats.allreduce_s = time.perf_counter() - start
         return stats
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from parallelism import Topology
 from recovery import FitResult, RedundancyExhausted, Trainer
+from recovery.errors import CallbackError
 from recovery.faults import FailureSchedule, Hang, Kill, KillPoint
 from recovery.policy import RecoveryPolicy
 from tests.workloads import mlp_spec, tiny_llama
@@ -146,8 +147,11 @@ def test_user_errors_stop_the_job_instead_of_recovering() -> None:
     def broken_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         raise ArithmeticError("the loss is broken")
 
-    with pytest.raises(ArithmeticError, match="the loss is broken"):
+    with pytest.raises(
+        CallbackError, match=r"loss_fn.* raised ArithmeticError: the loss is broken"
+    ) as info:
         Trainer(mlp_spec(loss_fn=broken_loss), topology=Topology(2, 2)).fit(2)
+    assert isinstance(info.value.__cause__, ArithmeticError)  # the user's own, chained
 
 
 def test_events_are_written_and_plotted(tmp_path) -> None:  # type: ignore[no-untyped-def]

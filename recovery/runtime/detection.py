@@ -8,7 +8,11 @@ the survivor tore down its groups so that its own peers fail fast too -- see
 ``parallelism/comm.py``); or nothing returns within ``hang_timeout_s``. In the last case
 each silent worker is asked, on its control thread, what it is doing; those not blocked
 on a peer are the hung ones, and they are killed, which turns the hang into the first
-case. A failure before the commit decision abandons the step everywhere; a worker that
+case. A hang is measured from a worker's last progress, not from the step's start: while
+any worker is silent it is asked every ``PROBE_EVERY`` (a quarter of ``hang_timeout_s``,
+at most 5 s) how long ago it finished a schedule action, and only a worker idle for
+``hang_timeout_s`` counts -- so a long healthy step is never a hang, and a stuck one is
+found within ``hang_timeout_s`` (plus one probe interval) of its last progress. A failure before the commit decision abandons the step everywhere; a worker that
 dies after it (while applying the step) leaves the step committed for everyone else, and
 its replacement copies the committed state.
 """
@@ -59,16 +63,34 @@ class StepOutcome:
 def await_step(
     group: WorkerGroup, calls: Mapping[int, Call], hang_timeout: timedelta | float
 ) -> StepOutcome:
-    """Wait for a step's reports; abort the rest at the first failure; kill hung workers.
+    """Wait for a step's reports; abort the rest at the first failure; kill hung workers
+    (see [Note: failure detection]).
 
     Raises:
         Exception: the original error of a worker whose own code raised.
     """
-    pending = _wait_or_abort(group, calls, hang_timeout, _succeeded, _abort_pending(group))
+    hang_s = seconds(hang_timeout)
+    every = min(max(hang_s / 4, 0.05), 5.0)
+    abort = _abort_pending(group)
+    waiting = list(calls.values())
+    failed_at: float | None = None
     hung: set[int] = set()
-    if pending:
-        silent = [rank for rank, call in calls.items() if call in pending]
-        hung = _find_hung(group, silent)
+    while waiting:
+        finished, waiting = group.wait(waiting, every, first=True)
+        if finished:
+            if failed_at is None and not all(_succeeded(group, call) for call in finished):
+                failed_at = time.monotonic()
+                abort(waiting)
+            continue
+        if failed_at is not None:  # aborted: the rest leave at once, or are given up on
+            if time.monotonic() - failed_at > min(60.0, hang_s):
+                hung = {rank for rank, call in calls.items() if call in waiting}
+                break
+            continue
+        hung = _find_hung(group, [rank for rank, call in calls.items() if call in waiting], hang_s)
+        if hung:
+            break
+    if hung:
         for rank in sorted(hung):
             log.warning(
                 "worker rank %d made no progress for %.0f s: killing it",
@@ -158,14 +180,17 @@ def _returned(group: WorkerGroup, call: Call) -> bool:
         return False
 
 
-def _find_hung(group: WorkerGroup, silent: list[int]) -> set[int]:
-    """Among silent workers, those not blocked on a peer (all of them if none stands out)."""
+def _find_hung(group: WorkerGroup, silent: list[int], hang_s: float) -> set[int]:
+    """Among silent workers, those idle for ``hang_s`` and not blocked on a peer; all of the
+    idle ones if each waits on another (none stands out); none while any progresses. A
+    worker whose control thread does not answer at all is hung."""
     probes = {rank: group.submit(rank, "probe") for rank in silent}
     answers = group.gather(probes, PROBE_TIMEOUT)
-    hung = set(answers.lost) | {
-        rank for rank, a in answers.results.items() if a.get("waiting_on") is None
-    }
-    return hung or set(silent)
+    idle = {rank for rank, a in answers.results.items() if a.get("idle_s", 0.0) >= hang_s}
+    culprits = {rank for rank in idle if answers.results[rank].get("waiting_on") is None}
+    if culprits or answers.lost:
+        return culprits | set(answers.lost)
+    return idle if idle == set(answers.results) else set()
 
 
 def non_finite(reports: Mapping[int, StepReport]) -> dict[int, str]:

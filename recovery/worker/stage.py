@@ -235,11 +235,22 @@ class StageWorker(Snapshotting, StateTransfer):
         """What the worker is doing right now (answered from a separate thread).
 
         ``waiting_on`` is the peer rank a communication call is blocked on, if any: a worker
-        blocked on a peer is a victim of a hang, not its cause.
+        blocked on a peer is a victim of a hang, not its cause. ``idle_s`` is how long ago
+        it last made progress: began its current activity or finished a schedule action.
         """
         kind, since = self._activity
         waiting = self.comm.waiting_on if self.comm is not None else None
-        return {"activity": kind, "since": since, "waiting_on": waiting, "step": self.step}
+        idle = time.time() - since
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            idle = min(idle, time.monotonic() - engine.progressed_at)
+        return {
+            "activity": kind,
+            "since": since,
+            "waiting_on": waiting,
+            "step": self.step,
+            "idle_s": idle,
+        }
 
     def abort(self) -> None:
         """Abandon the running step from outside it: tear down this generation's groups.
