@@ -672,20 +672,29 @@ class _FakeRay(ModuleType):
         self.cancelled += 1
 
 
+def _use_fake_ray(monkeypatch: pytest.MonkeyPatch, fake: _FakeRay) -> None:
+    """Put ``fake`` in place of Ray, also where recovery.ray_env (imported by an earlier
+    test, or not) already holds the real module."""
+    import recovery.ray_env
+
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.setitem(sys.modules, "ray.exceptions", fake.exceptions)
+    monkeypatch.setattr(recovery.ray_env, "ray", fake)
+    monkeypatch.setattr(recovery.ray_env, "_quiet_expected_deaths", lambda: None)
+
+
 def test_sweep_fans_out_through_ray(monkeypatch: pytest.MonkeyPatch) -> None:
     job = Job(gpus=64, layout=Layout(pp=4, dp=2, tp=8))
     scenario = Scenario(job=job, failures=llama3_failures(), horizon_s=10 * DAY, seeds=4)
     fake = _FakeRay()
-    monkeypatch.setitem(sys.modules, "ray", fake)
-    monkeypatch.setitem(sys.modules, "ray.exceptions", fake.exceptions)
+    _use_fake_ray(monkeypatch, fake)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     on_ray = SimulationResult.merge(sweep(scenario.split(2), use_ray=True))
     assert fake.inits and fake.inits[0]["address"] == "local"  # never someone else's Ray
     for a, b in zip(scenario.run().strategies, on_ray.strategies, strict=True):
         np.testing.assert_array_equal(a.goodput, b.goodput)
     stuck = _FakeRay(hang=True)
-    monkeypatch.setitem(sys.modules, "ray", stuck)
-    monkeypatch.setitem(sys.modules, "ray.exceptions", stuck.exceptions)
+    _use_fake_ray(monkeypatch, stuck)
     with pytest.raises(TimeoutError, match="did not finish"):
         sweep(scenario.split(2), use_ray=True, timeout=timedelta(seconds=1))
     assert stuck.cancelled == 2
