@@ -235,6 +235,10 @@ class RecoveryPolicy:
     ones without a cold start."""
     max_recoveries: int | None = None
     """Give up (``RecoveryError``) after this many recoveries; None: never."""
+    comm_retries: int = 3
+    """A step that fails with a communication error while every worker is alive is retried
+    (after a doubling wait from 0.25 s) at most this many times in a row; then the job gives
+    up with a ``RecoveryError`` naming the workers and their errors."""
     fingerprint_every: int | None = None
     """Silent data corruption: every this many steps each worker fingerprints its stage
     state before the commit, and a worker whose fingerprint differs from its stage group's
@@ -289,6 +293,7 @@ class RecoveryPolicy:
                 )
         check_int("hot_spares", self.hot_spares, minimum=0)
         check_int("max_recoveries", self.max_recoveries, minimum=0, optional=True)
+        check_int("comm_retries", self.comm_retries, minimum=0)
         check_int("fingerprint_every", self.fingerprint_every, minimum=0, optional=True)
         for name, cls in _PARTS.items():
             if not isinstance(getattr(self, name), cls):

@@ -89,9 +89,12 @@ def test_the_source_dying_in_the_middle_of_sending_is_recovered_exactly(oracle) 
     """Killed 1 ms into the send, from another thread: the target's receive breaks."""
     controller, _ = run(once(SOURCE, "send_state", delay=0.001))
     assert controller.phase is Phase.FINISHED, controller.error
-    assert len(controller.events) == 1, [e.detail for e in controller.events]
-    (event,) = controller.events
-    assert len(event.interruptions) <= 1  # the send may finish first: then nothing to redo
+    events = controller.events
+    if len(events) == 2:  # the send finished first: the kill broke the next step instead
+        assert events[0].interruptions == [] and events[1].lost == [(1, 1)], events
+    else:
+        (event,) = events
+        assert event.interruptions and event.interruptions[0].startswith("restoring"), event
     assert_equal_states(controller.final_states, oracle)  # type: ignore[attr-defined]
 
 

@@ -27,6 +27,15 @@ recovery except by a rollback's load, so an interrupted rollback marks the failu
 `suspect` and the next plan rolls everyone back. When the redundancy is gone the planner
 says so (`RedundancyExhausted`), and after `MAX_INTERRUPTIONS` the job gives up.
 
+[Note: communication errors with nobody lost]
+A step can fail with a communication error while every worker is alive (a flaky link, a
+peer that was slow to accept): nobody is rebuilt, the generation is re-formed and the step
+retried. That is bounded: before each retry the controller waits (`COMM_BACKOFF_S`,
+doubling, at most `MAX_COMM_BACKOFF_S`), and after `RecoveryPolicy.comm_retries` such
+failures in a row -- with no step committed in between -- it gives up with a
+`RecoveryError` naming each worker and the error it saw, rather than retrying forever.
+A failure in which some worker was lost is an ordinary recovery and resets nothing.
+
 What each part does lives elsewhere: detection (recovery/runtime/detection.py), injected
 faults (injection.py), placement, spares and generations (membership.py), the redundancy
 that exists (ledger.py), snapshots and checkpoints (persistence.py), the plan's transfers
@@ -80,6 +89,9 @@ log = logging.getLogger("checkfree")
 
 MAX_INTERRUPTIONS = 8
 """Failures during one recovery before the job gives up (see [Note: re-entrant recovery])."""
+COMM_BACKOFF_S = 0.25
+"""The wait before the first retry of a step that failed with nobody lost; it doubles."""
+MAX_COMM_BACKOFF_S = 8.0
 
 
 class Phase(enum.Enum):
@@ -193,6 +205,9 @@ class Controller:
         self._failure: Failure | None = None
         self._recovery: _Recovery | None = None
         self._carried: dict[str, float] = {}
+        self._comm_errors = 0
+        """Communication errors with nobody lost since the last commit (see [Note:
+        communication errors with nobody lost])."""
         self._pending_event: PendingEvent | None = None
         self.tokens_per_step = 0
         self.layout: StateLayout
@@ -379,6 +394,7 @@ class Controller:
             self._fail(self.step, StepOutcome(lost=lost), struck_at, faults)
             return
         self.faults.spend(faults)
+        self._comm_errors = 0
         self.persistence.after_commit(self.step)
         if self.config.eval_every and (
             self.step % self.config.eval_every == 0 or self.step == self.target_steps
@@ -492,6 +508,8 @@ class Controller:
         if most is not None and len(self.events) >= most:
             raise RecoveryError(f"{failure.describe(self.topology)}\nmax_recoveries={most} reached")
         lost, reports = self.members.leave_generation(set(failure.lost))
+        if failure.cause == "communication error" and not lost:
+            self._back_off(failure)
         self.persistence.note(reports)
         self.persistence.commit_landed()
         alive = {rank: report.step for rank, report in reports.items()}
@@ -508,6 +526,25 @@ class Controller:
         rec.plan = self._plan(rec)
         log.info("%s", rec.plan.describe(self.topology))
         self.phase = Phase.REPLACING
+
+    def _back_off(self, failure: Failure) -> None:
+        """A communication error and every worker alive: wait, then retry -- or give up after
+        ``comm_retries`` in a row (see [Note: communication errors with nobody lost])."""
+        self._comm_errors += 1
+        most = self.policy.comm_retries
+        if self._comm_errors > most:
+            raise RecoveryError(
+                f"{failure.describe(self.topology)}\n{self._comm_errors} communication errors "
+                f"in a row with every worker alive (comm_retries={most}): giving up"
+            )
+        delay = min(COMM_BACKOFF_S * 2 ** (self._comm_errors - 1), MAX_COMM_BACKOFF_S)
+        log.warning(
+            "communication error with every worker alive (%d of %d retries): retrying in %.2f s",
+            self._comm_errors,
+            most,
+            delay,
+        )
+        time.sleep(delay)
 
     def _plan(self, rec: _Recovery) -> RecoveryPlan:
         redundancy = self.layout.redundancy(self.ledger, rec.alive, rec.assessed)
@@ -587,6 +624,7 @@ class Controller:
             breakdown=rec.breakdown,
             embedding=embedding,
         )
+        self._finish_event(resumed=False)  # the last recovery's next step failed, too
         self._pending_event = PendingEvent(event)
         self._failure = self._recovery = None
         self.step = rec.plan.resume_step
