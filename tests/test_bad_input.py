@@ -91,6 +91,22 @@ def test_bad_llama_hyperparameters(kwargs: dict[str, object], message: str) -> N
         TrainSpec.llama(**kwargs)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_recoveries": True}, r"max_recoveries must be an integer >= 0 or None, got True"),
+        ({"hang_timeout_s": True}, r"hang_timeout_s \(timeouts.hang\) must be a positive"),
+        ({"hot_spares": True}, "hot_spares must be an integer >= 0, got True"),
+        ({"comm_retries": True}, "comm_retries must be an integer >= 0, got True"),
+        ({"hang_timeout_s": float("inf")}, "hang_timeout_s"),
+    ],
+)
+def test_bad_policy_fields(kwargs: dict[str, object], message: str) -> None:
+    """A bool is an int to Python; to a policy it is a mistake."""
+    with pytest.raises(ValueError, match=message):
+        RecoveryPolicy(**kwargs)
+
+
 def test_more_hot_spares_than_workers() -> None:
     with pytest.raises(ValueError, match="hot_spares=5 exceeds the job's 4 workers"):
         Trainer(mlp_spec(), topology=Topology(2, 2), policy=RecoveryPolicy(hot_spares=5))
