@@ -124,6 +124,39 @@ class StageEngine:
         """Parameters held bit-identically by another stage too: their gradient is summed
         over every holder (see `StageComm.allreduce_tied`) and clipped as a group."""
         self.shared_is_home = shared_is_home
+        self._grad_flat: torch.Tensor | None = None
+        self._grad_views: list[torch.Tensor] = []
+
+    def _bind_gradients(self) -> None:
+        """Point every own parameter's ``.grad`` at its slice of one zeroed flat buffer, so
+        that backward accumulates into it and the all-reduce runs on it in place: no
+        flatten copy before, no unflatten copy after. The values are those of separate
+        ``.grad`` tensors (backward adds into a zero, exact), so training is unchanged to
+        the bit. Only with replicas to average with, and one dtype and device, as
+        ``_flatten_dense_tensors`` needs too."""
+        if self.topology.replicas < 2 or not self.params:
+            return
+        if self._grad_flat is None:
+            first = self.params[0]
+            if any(p.dtype != first.dtype or p.device != first.device for p in self.params):
+                return
+            total = sum(p.numel() for p in self.params)
+            self._grad_flat = torch.zeros(total, dtype=first.dtype, device=first.device)
+            offset = 0
+            for p in self.params:
+                self._grad_views.append(self._grad_flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+        else:
+            self._grad_flat.zero_()
+        for p, view in zip(self.params, self._grad_views, strict=True):
+            p.grad = view
+
+    def _bound(self) -> bool:
+        """Whether backward left every own gradient in the flat buffer (nothing replaced one)."""
+        return self._grad_flat is not None and all(
+            p.grad is not None and p.grad.data_ptr() == view.data_ptr()
+            for p, view in zip(self.params, self._grad_views, strict=True)
+        )
 
     def _rank(self, stage: int) -> int:
         return self.topology.rank(stage, self.replica)
@@ -158,6 +191,8 @@ class StageEngine:
         t0 = time.perf_counter()
         hook(BEFORE_FORWARD)
         mid = len(actions) // 2
+        if training:
+            self._bind_gradients()
         context = torch.enable_grad() if training else torch.no_grad()
         with context:
             for index, action in enumerate(actions):
@@ -247,8 +282,12 @@ class StageEngine:
         works = []
         if replicas > 1 and own:
             assert comm is not None
-            flat = _flatten_dense_tensors(own)
-            works.append((comm.allreduce_stage(flat), flat, own))
+            if self._bound():  # reduced in place: the gradients are views of the buffer
+                assert self._grad_flat is not None
+                works.append((comm.allreduce_stage(self._grad_flat), self._grad_flat, []))
+            else:
+                flat = _flatten_dense_tensors(own)
+                works.append((comm.allreduce_stage(flat), flat, own))
         if self.shared:
             # Sum over both holders of every replica, then average over replicas: each holder
             # gets the same bits (an all-reduce leaves identical results on every rank).
@@ -262,8 +301,9 @@ class StageEngine:
                 comm.wait(work)  # type: ignore[union-attr]
             if replicas > 1:
                 flat.div_(replicas)
-            for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-                grad.copy_(reduced)
+            if grads:
+                for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+                    grad.copy_(reduced)
         norm, clipped = clip_gradients(
             self.params, self.clip_grad_norm, self.shared, shared_is_home=self.shared_is_home
         )
