@@ -11,6 +11,26 @@ class RedundancyExhausted(RecoveryError):
     """No allowed source exists for some lost state under the recovery policy."""
 
 
+class PlacementFailed(RecoveryError):
+    """Workers found no room on any node they may run on within
+    ``RecoveryPolicy(replace_timeout_s=...)`` (at the start or for a replacement).
+
+    The message names each worker and why (its node is gone, full, or can never hold a
+    worker's `Trainer(worker_resources=...)`); ``unplaced`` maps each rank to that reason.
+    """
+
+    def __init__(self, message: str, *, unplaced: dict[int, str]) -> None:
+        super().__init__(message)
+        self.unplaced = dict(unplaced)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_placement_failed, (str(self), self.unplaced))
+
+
+def _placement_failed(message: str, unplaced: dict[int, str]) -> PlacementFailed:
+    return PlacementFailed(message, unplaced=unplaced)
+
+
 class SnapshotCorrupted(RecoveryError):
     """A durable snapshot failed verification (a missing, truncated or altered file).
 

@@ -151,7 +151,13 @@ class Timeouts:
     """
 
     start: timedelta = timedelta(seconds=300)
-    """Start a worker process and build its stage (a cold start imports torch)."""
+    """Start a worker process and build its stage (a cold start imports torch), once Ray
+    has placed it on its node."""
+    replace: timedelta = timedelta(seconds=60)
+    """Find room for a worker (a replacement, or one of the job's first workers or spares):
+    a worker Ray has not placed on its node within this long -- the node is full for
+    ``Trainer(worker_resources=...)``, or gone -- ends the job with a ``PlacementFailed``
+    (a ``RecoveryError``) naming the workers and why, instead of waiting ``start``."""
     join: timedelta = timedelta(seconds=60)
     """Form a generation's process groups (the rendezvous on the controller's store)."""
     hang: timedelta = timedelta(seconds=120)
@@ -185,6 +191,7 @@ FLAT_NAMES: dict[str, str] = {
     "checkpoint_every": "baseline.checkpoint_every",
     "checkpoint_dir": "baseline.checkpoint_dir",
     "hang_timeout_s": "timeouts.hang",
+    "replace_timeout_s": "timeouts.replace",
 }
 """The flat keyword arguments `RecoveryPolicy` still accepts, and the home of each."""
 

@@ -6,6 +6,7 @@ import dataclasses
 import math
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from recovery.faults import FailureSchedule
 from recovery.names import Strategy, Tier
 from recovery.plots import plot_loss
 from recovery.policy import RecoveryPolicy
+from recovery.resources import worker_ask
 from recovery.rundir import RunDir
 from recovery.runtime import Controller, ControllerConfig, StepRecord
 from recovery.spec import TrainSpec
@@ -102,6 +104,13 @@ class Trainer:
         eval_batches: held-out batches per evaluation.
         threads_per_worker: torch intra-op threads per worker.
         collect_states: fetch every worker's final state into the result.
+        worker_resources: what each worker (and hot spare) asks Ray for, e.g.
+            ``{"CPU": 1}`` or ``{"GPU": 1, "CPU": 4}``; other names are custom Ray
+            resources. Default: no CPU (workers share a node), and one GPU under NCCL.
+            With a real ask Ray sees when a node is full, and a worker that finds no room
+            within ``RecoveryPolicy(replace_timeout_s=...)`` ends the job with a
+            ``PlacementFailed`` naming it. Placement is unchanged: replicas of a stage
+            still go to different nodes.
 
     Raises:
         ValueError: for a bad argument; raised here, before anything starts.
@@ -121,6 +130,7 @@ class Trainer:
         eval_batches: int = 1,
         threads_per_worker: int = 1,
         collect_states: bool = True,
+        worker_resources: Mapping[str, float] | None = None,
     ) -> None:
         if not isinstance(spec, TrainSpec):
             raise ValueError(f"spec must be a TrainSpec, got {type(spec).__name__}")
@@ -134,6 +144,7 @@ class Trainer:
                 raise ValueError(f"{name} must be >= 0, got {value}")
         if threads_per_worker < 1:
             raise ValueError(f"threads_per_worker must be >= 1, got {threads_per_worker}")
+        resources = worker_ask(worker_resources, backend)
         policy = RecoveryPolicy() if policy is None else policy
         if not isinstance(policy, RecoveryPolicy):
             raise ValueError(f"policy must be a RecoveryPolicy, got {type(policy).__name__}")
@@ -162,6 +173,7 @@ class Trainer:
         self.config = ControllerConfig(
             backend=backend,
             threads_per_worker=threads_per_worker,
+            worker_resources=resources,
             eval_every=eval_every,
             eval_batches=max(1, eval_batches),
             work_dir=str(self.run_dir.file("checkpoints")) if self.run_dir else None,

@@ -145,7 +145,7 @@ def test_nccl_on_a_cluster_without_gpus_says_what_is_missing(
     from recovery.runtime import ray_group
     from recovery.worker import StageWorker
 
-    monkeypatch.setattr(ray_group.ray, "cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(ray_group.ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 2.0}}])
     group = ray_group.RayWorkerGroup(StageWorker, backend="nccl")
     with pytest.raises(ValueError, match=r"needs one GPU per worker: the job needs 5 .* has 0"):
         group.check_capacity(5)

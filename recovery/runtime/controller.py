@@ -55,6 +55,7 @@ from typing import Any
 
 from parallelism.topology import Topology
 from recovery.errors import (
+    PlacementFailed,
     RecoveryError,
     RecoveryInterrupted,
     RedundancyExhausted,
@@ -124,6 +125,9 @@ class ControllerConfig:
     """Resume from the newest intact durable snapshot in ``snapshot_dir``, if one exists."""
     worker_options: dict[str, Any] = field(default_factory=dict)
     """Extra Ray actor options for every worker (`RayWorkerGroup` only)."""
+    worker_resources: dict[str, float] | None = None
+    """What each worker and hot spare asks Ray for (`Trainer(worker_resources=...)`; see
+    recovery/resources.py); None: the default. `RayWorkerGroup` only."""
 
 
 @dataclass
@@ -157,6 +161,7 @@ def _ray_group(layout: StateLayout, config: ControllerConfig) -> WorkerGroup:
         layout.worker_cls,
         threads=config.threads_per_worker,
         backend=config.backend,
+        resources=config.worker_resources,
         options=config.worker_options,
     )
 
@@ -582,7 +587,13 @@ class Controller:
             rebuild = list(range(self.topology.world_size))
             self.group.kill(rec.alive)
         placement = self.members.replacements(rebuild)
-        rec.warm = self.members.start(placement, spares=not cold, what="start replacement workers")
+        try:
+            rec.warm = self.members.start(
+                placement, spares=not cold, what="start replacement workers"
+            )
+        except PlacementFailed as exc:  # no room: no plan can help (elastic shrink is not on)
+            why = f"{rec.failure.describe(self.topology)}\n{exc}"
+            raise PlacementFailed(why, unplaced=exc.unplaced) from None
         if not cold:
             self.members.add_spares(self.policy.hot_spares - self.group.spare_count())
         rec.add_time("replace", t0)

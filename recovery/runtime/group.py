@@ -88,10 +88,13 @@ class CallResults:
     lost: dict[Any, WorkerLost] = field(default_factory=dict)
     broken: dict[Any, tuple[int, str]] = field(default_factory=dict)
     """Calls whose (live) worker raised a communication error: key -> (rank, error)."""
+    unplaced: dict[Any, str] = field(default_factory=dict)
+    """`WorkerGroup.start` only: ranks whose worker found no room on its node within the
+    placement timeout (killed meanwhile) -> why."""
 
     @property
     def ok(self) -> bool:
-        return not self.lost and not self.broken
+        return not self.lost and not self.broken and not self.unplaced
 
     def as_lost(self) -> dict[Any, WorkerLost]:
         """The lost calls and the broken ones, all as losses (to rebuild them all)."""
@@ -153,11 +156,16 @@ class WorkerGroup(abc.ABC):
         placement: Mapping[int, str],
         *,
         timeout: timedelta | float,
+        place_timeout: timedelta | float | None = None,
         spares: bool = False,
         parked: bool = False,
     ) -> tuple[CallResults, set[int]]:
         """Start a worker for each rank on its node and wait until each answers.
 
+        ``timeout`` bounds a start that is under way (a process importing torch);
+        ``place_timeout`` bounds the wait for room on the node, after which the rank is
+        given up and lands in ``CallResults.unplaced`` with the reason (None: no bound but
+        ``timeout``; an implementation that places at once ignores it).
         ``spares``: take a hot spare where there is one (on the rank's node first).
         ``parked``: reuse a warm worker an earlier job in this process left on that node.
         Returns each started worker's `WorkerInfo` (or why it did not start) and the ranks
@@ -188,9 +196,11 @@ class WorkerGroup(abc.ABC):
         """
 
     @abc.abstractmethod
-    def await_spares(self, timeout: timedelta | float) -> int:
-        """Wait for the spares warming up; drop (and kill) those that failed. Returns the
-        number of spares ready."""
+    def await_spares(
+        self, timeout: timedelta | float, place_timeout: timedelta | float | None = None
+    ) -> int:
+        """Wait for the spares warming up; drop (and kill) those that failed, or found no
+        room on their node within ``place_timeout``. Returns the number of spares ready."""
 
     @abc.abstractmethod
     def spare_count(self) -> int:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from parallelism.comm import Rendezvous, host_store
 from parallelism.topology import Topology
+from recovery.errors import PlacementFailed
 from recovery.placement import place, replacement_node
 from recovery.policy import RecoveryPolicy
 from recovery.runtime.detection import settle
@@ -84,7 +85,7 @@ class Membership:
         spares = self.policy.hot_spares
         self.add_spares(spares)
         self.start(dict(self.assignment), parked=True, what="start workers")
-        ready = self.group.await_spares(self.policy.timeouts.start)
+        ready = self.group.await_spares(self.policy.timeouts.start, self.policy.timeouts.replace)
         if ready < spares:
             log.warning("%d hot spare(s) failed to start; continuing without them", spares - ready)
 
@@ -136,11 +137,31 @@ class Membership:
         warm worker (a hot spare, or one parked by an earlier job).
 
         Raises:
-            RecoveryError: naming ``what`` failed, if a worker cannot be started or set up.
+            PlacementFailed: naming each worker that found no room within
+                ``timeouts.replace``, and why.
+            RecoveryInterrupted: naming ``what`` failed, if a worker died or could not be
+                started or set up.
         """
+        timeouts = self.policy.timeouts
         started, warm = self.group.start(
-            placement, timeout=self.policy.timeouts.start, spares=spares, parked=parked
+            placement,
+            timeout=timeouts.start,
+            place_timeout=timeouts.replace,
+            spares=spares,
+            parked=parked,
         )
+        if started.unplaced:
+            raise PlacementFailed(
+                f"could not {what}: {len(started.unplaced)} worker(s) found no room "
+                f"(replace_timeout_s={seconds(timeouts.replace):g}): "
+                + "; ".join(
+                    f"worker {self.topology.worker(rank)}: {why}"
+                    for rank, why in sorted(started.unplaced.items())
+                )
+                + ". Add nodes or free their resources, ask for less "
+                "(Trainer(worker_resources=...)), or wait longer (replace_timeout_s)",
+                unplaced=started.unplaced,
+            )
         require(started, what)
         for rank, info in started.results.items():
             self.assignment[rank] = info.node_id or placement[rank]

@@ -1,26 +1,43 @@
 """`RayWorkerGroup`: each worker a Ray actor, pinned to its node.
 
-Actors ask Ray for no CPUs (several workers share a node and set their own torch threads)
-and, under NCCL, one GPU. Placement is a correctness property (two replicas of a stage on
-one node could both die with it, see recovery/placement.py), so every actor gets hard
-node affinity. Healthy workers of a finished job are reset and parked in the driver's
+Actors ask Ray for what `Trainer(worker_resources=...)` says (recovery/resources.py; by
+default no CPU, as several workers share a node and set their own torch threads, and under
+NCCL one GPU). Placement is a correctness property (two replicas of a stage on one node
+could both die with it, see recovery/placement.py), so every actor gets hard node
+affinity. Healthy workers of a finished job are reset and parked in the driver's
 `WorkerPool`, so the next job in the same process starts warm.
+
+[Note: waiting for room]
+A new actor either gets a worker process on its node (Ray's actor table then shows its
+pid) or waits for the node to have room for its ask. A start that is placed but slow
+(importing torch on a busy machine) is bounded by ``timeout``; one that is not placed at
+all is bounded by ``place_timeout`` (``RecoveryPolicy(replace_timeout_s=...)``): then it
+is killed and reported in ``CallResults.unplaced`` with what its node has free, instead of
+waiting the start timeout for a node that may never have room.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import (
+    ActorUnschedulableError,
+    GetTimeoutError,
+    RayActorError,
+    RayTaskError,
+)
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from recovery.errors import CallbackError
 from recovery.pool import POOL
 from recovery.ray_env import alive_nodes, connect, driver_host
+from recovery.resources import actor_options, describe, fits, worker_ask
 from recovery.runtime.group import (
     Call,
     CallResults,
@@ -32,6 +49,12 @@ from recovery.runtime.group import (
 from recovery.worker import StageWorker, WorkerInfo
 
 __all__ = ["RayWorkerGroup"]
+
+_PENDING = frozenset({"DEPENDENCIES_UNREADY", "PENDING_CREATION"})
+_POLL_S = 0.25
+_GIVE_WAY_S = 1.0
+"""A new worker still not placed after this long makes the parked workers of earlier jobs
+(which hold their asks' resources) give way: the pool is emptied."""
 
 
 _CLASSES_CACHE: dict[type, Any] = {}
@@ -67,7 +90,12 @@ class RayWorkerGroup(WorkerGroup):
         worker_cls: the worker class (`StageWorker` or a subclass, from the state layout).
         threads: torch intra-op threads per worker.
         backend: ``"gloo"`` or ``"nccl"`` (an NCCL worker asks Ray for one GPU).
-        options: extra ``.options()`` for every actor (tests, custom resources).
+        resources: what each worker (and hot spare) asks Ray for, as
+            `recovery.resources.worker_ask` checks it; default: that function's default.
+        options: extra ``.options()`` for every actor (tests).
+
+    Raises:
+        ValueError: for bad ``resources`` (see `recovery.resources.worker_ask`).
     """
 
     def __init__(
@@ -76,11 +104,14 @@ class RayWorkerGroup(WorkerGroup):
         *,
         threads: int = 1,
         backend: str = "gloo",
+        resources: Mapping[str, float] | None = None,
         options: Mapping[str, Any] | None = None,
     ) -> None:
         self.worker_cls = worker_cls
         self.threads = threads
         self.backend = backend
+        self.ask = worker_ask(resources, backend)
+        """What each worker asks Ray for (resource name -> amount)."""
         self.options = dict(options or {})
         self._actors: dict[int, Any] = {}
         self._infos: dict[int, WorkerInfo] = {}
@@ -103,17 +134,25 @@ class RayWorkerGroup(WorkerGroup):
         return "127.0.0.1" if self.started_ray else driver_host()
 
     def check_capacity(self, workers: int) -> None:
-        # Under NCCL each worker asks Ray for a GPU: with too few, its actor would wait
-        # for one until the start timeout instead of failing.
-        if self.backend != "nccl":
+        # A job the nodes can never hold at once would wait for room that never comes: say
+        # so before anything starts. (A node that is only busy is the start's business,
+        # see [Note: waiting for room].)
+        totals = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        holds = sum(fits(self.ask, total) for total in totals)
+        if holds >= workers:
             return
-        gpus = int(ray.cluster_resources().get("GPU", 0))
-        if gpus < workers:
+        has = describe({k: sum(t.get(k, 0.0) for t in totals) for k in self.ask})
+        if self.backend == "nccl" and set(self.ask) == {"GPU"} and self.ask["GPU"] == 1:
             raise ValueError(
                 f"backend 'nccl' needs one GPU per worker: the job needs {workers} (workers "
-                f"and hot spares), the Ray cluster has {gpus}. Use backend='gloo' on CPUs, "
-                "fewer workers, or add GPU nodes"
+                f"and hot spares), the Ray cluster has {int(holds)}. Use backend='gloo' on "
+                "CPUs, fewer workers, or add GPU nodes"
             )
+        raise ValueError(
+            f"each worker asks for {describe(self.ask)} (worker_resources): the job needs "
+            f"{workers} workers (hot spares included), the Ray cluster's nodes hold "
+            f"{int(holds)} (they have {has} in all). Ask for less, run fewer workers, or add nodes"
+        )
 
     @property
     def _pool_key(self) -> tuple[Any, ...]:
@@ -121,18 +160,19 @@ class RayWorkerGroup(WorkerGroup):
             self.worker_cls.__name__,
             self.threads,
             self.backend,
+            tuple(sorted(self.ask.items())),
             tuple(sorted(self.options.items())),
         )
 
     def _new_actor(self, node_id: str) -> Any:
-        options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0, "max_task_retries": 0}
-        if self.backend == "nccl":
-            options["num_gpus"] = 1  # Ray sets CUDA_VISIBLE_DEVICES: the worker's GPU is cuda:0
+        # Under NCCL Ray sets CUDA_VISIBLE_DEVICES: the worker's GPU is cuda:0.
+        options: dict[str, Any] = {"max_restarts": 0, "max_task_retries": 0}
+        options.update(actor_options(self.ask))
         options.update(self.options)
         if node_id:
-            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
-                node_id, soft=False, _fail_on_unavailable=True
-            )
+            # Hard affinity: a dead node fails the actor at once (ActorUnschedulableError, a
+            # lost worker); a full one makes it wait for room (see [Note: waiting for room]).
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
         return _remote_class(self.worker_cls).options(**options).remote(self.threads)
 
     # -- membership --------------------------------------------------------------------
@@ -145,6 +185,7 @@ class RayWorkerGroup(WorkerGroup):
         placement: Mapping[int, str],
         *,
         timeout: timedelta | float,
+        place_timeout: timedelta | float | None = None,
         spares: bool = False,
         parked: bool = False,
     ) -> tuple[CallResults, set[int]]:
@@ -160,28 +201,92 @@ class RayWorkerGroup(WorkerGroup):
             else:
                 warm.add(rank)
             actors[rank] = actor
-        infos = self._ask_info(actors, timeout)
+        infos = self._ask_info(actors, timeout, place_timeout, placement)
         stale = {r for r in infos.lost if r in warm}
         if stale:  # parked actors or spares that died meanwhile: start fresh ones instead
             for rank in stale:
                 actors[rank] = self._new_actor(placement[rank])
                 warm.discard(rank)
-            more = self._ask_info({r: actors[r] for r in stale}, timeout)
+            more = self._ask_info({r: actors[r] for r in stale}, timeout, place_timeout, placement)
             for rank in stale:
                 del infos.lost[rank]
             infos.results.update(more.results)
             infos.lost.update(more.lost)
+            infos.unplaced.update(more.unplaced)
         for rank, info in infos.results.items():
             self._actors[rank] = actors[rank]
             self._infos[rank] = info
-        for rank in infos.lost:
+        for rank in [*infos.lost, *infos.unplaced]:
             with contextlib.suppress(Exception):
                 ray.kill(actors[rank], no_restart=True)
         return infos, warm & set(infos.results)
 
-    def _ask_info(self, actors: Mapping[int, Any], timeout: timedelta | float) -> CallResults:
+    def _ask_info(
+        self,
+        actors: Mapping[int, Any],
+        timeout: timedelta | float,
+        place_timeout: timedelta | float | None,
+        placement: Mapping[int, str],
+    ) -> CallResults:
         refs = {rank: actor.info.remote() for rank, actor in actors.items()}
-        return self._gather_refs(refs, seconds(timeout))
+        unplaced = self._await_placed(refs, actors, timeout, place_timeout)
+        got = self._gather_refs({r: ref for r, ref in refs.items() if r not in unplaced}, 0.0)
+        for rank in unplaced:
+            got.unplaced[rank] = self._no_room(placement.get(rank, ""), place_timeout)
+        return got
+
+    def _await_placed(
+        self,
+        refs: Mapping[Any, Any],
+        actors: Mapping[Any, Any],
+        timeout: timedelta | float,
+        place_timeout: timedelta | float | None,
+    ) -> set[Any]:
+        """Wait for ``refs`` (calls on ``actors``, by the same keys) until ``timeout``; give
+        up on the actors that Ray has not placed within ``place_timeout``, and return their
+        keys (see [Note: waiting for room])."""
+        now = time.monotonic()
+        deadline = now + seconds(timeout)
+        place_by = now + (seconds(place_timeout) if place_timeout is not None else math.inf)
+        waiting = dict(refs)
+        placed: set[Any] = set()
+        unplaced: set[Any] = set()
+        while waiting and time.monotonic() < deadline:
+            left = max(0.0, min(deadline, time.monotonic() + _POLL_S) - time.monotonic())
+            ready, _ = ray.wait(list(waiting.values()), num_returns=len(waiting), timeout=left)
+            done = set(ready)
+            waiting = {k: ref for k, ref in waiting.items() if ref not in done}
+            if place_timeout is None:
+                continue
+            for key in [k for k in waiting if k not in placed]:
+                if _is_placed(actors[key]):
+                    placed.add(key)
+                elif self.ask and POOL.size() and time.monotonic() > now + _GIVE_WAY_S:
+                    POOL.clear()  # parked workers of earlier jobs hold room: they give way
+                elif time.monotonic() >= place_by:
+                    unplaced.add(key)
+                    del waiting[key]
+        return unplaced
+
+    def _no_room(self, node: str, place_timeout: timedelta | float | None) -> str:
+        """Why a worker for ``node`` was not placed: what the node has, against the ask."""
+        within = f"not placed within {seconds(place_timeout or 0):g} s"
+        alive = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
+        if node not in alive:
+            return f"{within}: its node {node[:12]} is gone"
+        total = alive[node].get("Resources", {})
+        try:
+            from ray._private.state import available_resources_per_node
+
+            free = available_resources_per_node().get(node, {})
+        except Exception:  # an older Ray: say what the node has in all
+            free = {}
+        ask = describe(self.ask)
+        if fits(self.ask, total) < 1:
+            has = describe({k: total.get(k, 0.0) for k in self.ask})
+            return f"{within}: node {node[:12]} can never hold a worker asking {ask} (it has {has})"
+        free_text = describe({k: free.get(k, 0.0) for k in self.ask})
+        return f"{within}: no room on node {node[:12]} for {ask} (free: {free_text})"
 
     def kill(self, ranks: Iterable[int]) -> None:
         for rank in list(ranks):
@@ -210,8 +315,15 @@ class RayWorkerGroup(WorkerGroup):
             self._warming[id(actor)] = getattr(actor, method).remote(*args)
             self._spares.append((actor, node))
 
-    def await_spares(self, timeout: timedelta | float) -> int:
-        got = self._gather_refs(self._warming, seconds(timeout))
+    def await_spares(
+        self, timeout: timedelta | float, place_timeout: timedelta | float | None = None
+    ) -> int:
+        by_id = {id(actor): actor for actor, _ in self._spares}
+        actors = {key: by_id[key] for key in self._warming if key in by_id}
+        unplaced = self._await_placed(self._warming, actors, timeout, place_timeout)
+        ready = {key: ref for key, ref in self._warming.items() if key not in unplaced}
+        got = self._gather_refs(ready, 0.0)
+        got.lost.update({key: WorkerLost(-1, "not placed") for key in unplaced})
         self._warming = {}
         failed = [sp for sp in self._spares if id(sp[0]) in got.lost]
         for actor, _node in failed:
@@ -273,7 +385,7 @@ class RayWorkerGroup(WorkerGroup):
             return ray.get(call.handle, timeout=0)
         except GetTimeoutError:
             raise WorkerLost(call.rank, f"{call.method} did not answer in time") from None
-        except RayActorError as exc:
+        except (RayActorError, ActorUnschedulableError) as exc:
             text = str(exc).strip().splitlines()
             raise WorkerLost(
                 call.rank, f"{type(exc).__name__}: {text[0][:300] if text else ''}"
@@ -308,3 +420,16 @@ class RayWorkerGroup(WorkerGroup):
                     ray.kill(actor, no_restart=True)
         for actor, node in spares:
             POOL.park(actor, node, self._pool_key)
+
+
+def _is_placed(actor: Any) -> bool:
+    """Whether Ray has given ``actor`` a worker process (or finished with it: alive or
+    dead), from the GCS actor table; an unreadable table counts as placed, which leaves
+    only the start timeout, as before."""
+    try:
+        from ray._private.state import actors
+
+        entry = actors(actor._actor_id.hex())
+    except Exception:
+        return True
+    return not (entry.get("State") in _PENDING and not entry.get("Pid"))

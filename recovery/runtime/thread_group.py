@@ -152,9 +152,13 @@ class ThreadWorkerGroup(WorkerGroup):
         placement: Mapping[int, str],
         *,
         timeout: timedelta | float,
+        place_timeout: timedelta | float | None = None,
         spares: bool = False,
         parked: bool = False,
     ) -> tuple[CallResults, set[int]]:
+        # Threads need no room: a worker is placed at once (and asks for no resources,
+        # so Trainer(worker_resources=...) does not apply here).
+        del place_timeout
         out = CallResults()
         warm: set[int] = set()
         for rank, node in placement.items():
@@ -218,7 +222,10 @@ class ThreadWorkerGroup(WorkerGroup):
             self._warming[id(spare)] = spare.main.submit(self._run, spare, method, args)
             self._spares.append(spare)
 
-    def await_spares(self, timeout: timedelta | float) -> int:
+    def await_spares(
+        self, timeout: timedelta | float, place_timeout: timedelta | float | None = None
+    ) -> int:
+        del place_timeout  # placed at once
         futures = dict(self._warming)
         self._warming = {}
         wait_futures(list(futures.values()), timeout=seconds(timeout))
