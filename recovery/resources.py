@@ -51,7 +51,9 @@ def worker_ask(resources: Mapping[str, object] | None, backend: str) -> dict[str
             raise ValueError(f"worker_resources: resource names are strings, got {name!r}")
         builtin = next((b for b in BUILTIN_RESOURCES if b.lower() == name.lower()), None)
         if builtin is not None and builtin != name:
-            raise ValueError(f"worker_resources: unknown resource {name!r}; did you mean {builtin!r}?")
+            raise ValueError(
+                f"worker_resources: unknown resource {name!r}; did you mean {builtin!r}?"
+            )
         ok = isinstance(amount, int | float) and not isinstance(amount, bool)
         if not ok or not math.isfinite(amount) or amount < 0:  # type: ignore[arg-type, operator]
             raise ValueError(

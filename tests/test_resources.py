@@ -79,7 +79,9 @@ def test_check_capacity_counts_whole_workers_per_node(monkeypatch: pytest.Monkey
     nodes = [{"Alive": True, "Resources": {"CPU": 3.0}}, {"Alive": True, "Resources": {"CPU": 1.0}}]
     monkeypatch.setattr(ray_group.ray, "nodes", lambda: nodes)
     group = ray_group.RayWorkerGroup(StageWorker, resources={"CPU": 2})
-    with pytest.raises(ValueError, match=r"asks for CPU 2 .* needs 2 workers .* hold 1 \(they have CPU 4"):
+    with pytest.raises(
+        ValueError, match=r"asks for CPU 2 .* needs 2 workers .* hold 1 \(they have CPU 4"
+    ):
         group.check_capacity(2)  # 4 CPUs in all, but no node holds two 2-CPU workers
     group.check_capacity(1)
     ray_group.RayWorkerGroup(StageWorker).check_capacity(100)  # asks nothing: always fits
