@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
@@ -279,7 +280,7 @@ class StageEngine:
                 p.grad = torch.zeros_like(p)
         replicas = self.topology.replicas
         own = [p.grad for p in self.params if p.grad is not None]
-        works = []
+        works: list[tuple[dist.Work | None, torch.Tensor, list[torch.Tensor]]] = []
         if replicas > 1 and own:
             assert comm is not None
             if self._bound():  # reduced in place: the gradients are views of the buffer
