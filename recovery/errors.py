@@ -39,6 +39,38 @@ class SnapshotCorrupted(RecoveryError):
     """
 
 
+class TransferCorrupted(RecoveryError):
+    """State arrived whose bytes do not match the digests its sender took of them: it was
+    corrupted on the way (a bad link or NIC) or, for a snapshot, in the memory that held
+    it (see [Note: checked transfers] in recovery/transfer.py). Nothing of it is trusted.
+
+    ``found`` lists each corrupted arrival as ``(target rank, source rank, tensor names)``;
+    ``snapshot`` is the step of the peer snapshot that arrived corrupted (None: a live
+    worker's state). The executor retries from another source; with none left the next
+    tier of the recovery hierarchy is used.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        found: list[tuple[int, int, tuple[str, ...]]],
+        snapshot: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.found = list(found)
+        self.snapshot = snapshot
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_transfer_corrupted, (str(self), self.found, self.snapshot))
+
+
+def _transfer_corrupted(
+    message: str, found: list[tuple[int, int, tuple[str, ...]]], snapshot: int | None
+) -> TransferCorrupted:
+    return TransferCorrupted(message, found=found, snapshot=snapshot)
+
+
 class RecoveryInterrupted(RecoveryError):
     """Workers were lost, or their process groups broke, while a recovery (or the start)
     was under way.

@@ -10,7 +10,7 @@ Text form (``scripts/train.py --failures``), faults separated by ``;``::
     kill:step=20,stage=1,replica=0[,at=mid_pipeline]
     hang:step=30,stage=2,replica=1
     nan:step=35,stage=0,replica=0   # a NaN written into the weights (silent data corruption)
-    bitflip:step=35,stage=0,replica=2[,seed=0]  # one mantissa bit flipped: finite, wrong
+    bitflip:step=35,stage=0,replica=2[,seed=0][,in_flight=1]  # one mantissa bit flipped: finite, wrong
     killnode:step=40,node=1
     poisson:rate=0.02[,seed=0]      # per-worker-step probability, drawn once up front
 """
@@ -99,18 +99,27 @@ class BitFlip(_AtWorker):
     worker ``(stage, replica)`` at ``at`` of step ``step``: silent data corruption that
     leaves the value finite, so only a fingerprint vote can find it (see
     `recovery.fingerprint.flip_bit`). The tensor, element and bit are drawn from ``seed``,
-    so a run is reproducible."""
+    so a run is reproducible.
+
+    ``in_flight``: the bit flips instead in the next state this worker sends to another
+    (a recovery's transfer from it), after the digests it sends along were taken -- what a
+    bad link does; the receiver finds it (see [Note: checked transfers] in
+    recovery/transfer.py). Armed at ``at`` of ``step``, it fires at the next such send."""
 
     seed: int = 0
+    in_flight: bool = False
 
     _word: ClassVar[str] = "bitflip"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_index("seed", self.seed)
+        if not isinstance(self.in_flight, bool):
+            raise ValueError(f"in_flight must be True or False, got {self.in_flight!r}")
 
     def __str__(self) -> str:
-        return f"{super().__str__()},seed={self.seed}"
+        flight = ",in_flight=1" if self.in_flight else ""
+        return f"{super().__str__()},seed={self.seed}{flight}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,6 +140,14 @@ class KillNode:
 Fault = Kill | Hang | Corrupt | BitFlip | KillNode
 WorkerFault = Kill | Hang | Corrupt | BitFlip
 """Faults that strike one worker (delivered to it with the step)."""
+
+
+def _flag(name: str, text: str) -> bool:
+    if text.lower() in ("1", "true", "yes"):
+        return True
+    if text.lower() in ("0", "false", "no"):
+        return False
+    raise ValueError(f"{name} must be 0 or 1, got {text!r}")
 
 
 def _point(value: object) -> KillPoint:
@@ -240,6 +257,7 @@ class FailureSchedule:
                             steps,
                             float(fields.pop("rate")),
                             seed=int(fields.pop("seed", "0")),
+                            in_flight=_flag("in_flight", fields.pop("in_flight", "0")),
                         )
                     )
                 elif kind in ("kill", "hang", "nan"):
@@ -265,6 +283,7 @@ class FailureSchedule:
                             replica=int(fields.pop("replica", "0")),
                             at=_point(fields.pop("at", KillPoint.BEFORE_FORWARD.value)),
                             seed=int(fields.pop("seed", "0")),
+                            in_flight=_flag("in_flight", fields.pop("in_flight", "0")),
                         )
                     )
                 elif kind == "killnode":
@@ -279,7 +298,7 @@ class FailureSchedule:
                 raise ValueError(f"{part!r} needs a value for {missing}") from None
             except ValueError as exc:
                 if str(exc).startswith(
-                    ("unknown", "poisson", "step", "stage", "replica", "node", "seed")
+                    ("unknown", "poisson", "step", "stage", "replica", "node", "seed", "in_flight")
                 ):
                     raise
                 raise ValueError(f"malformed value in {part!r}: {exc}") from None

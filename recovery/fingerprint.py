@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-__all__ = ["Fingerprint", "fingerprint", "flip_bit", "state_tensors"]
+__all__ = ["Fingerprint", "digest", "fingerprint", "flip_bit", "flip_one", "state_tensors"]
 
 Fingerprint = dict[str, str]
 """Tensor name -> hex digest of its bytes (parameters by name, optimizer state as
@@ -52,7 +52,8 @@ def state_tensors(
                     yield f"optim.{names.get(id(param), '?')}.{key}", value
 
 
-def _digest(tensor: torch.Tensor) -> str:
+def digest(tensor: torch.Tensor) -> str:
+    """The hex BLAKE2b digest of ``tensor``'s raw bytes (what a fingerprint holds per tensor)."""
     data = tensor.detach()
     if data.device.type != "cpu":
         data = data.cpu()
@@ -65,7 +66,7 @@ def _digest(tensor: torch.Tensor) -> str:
 def fingerprint(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> Fingerprint:
     """The fingerprint of ``module``'s parameters and ``optimizer``'s state (None: the
     parameters only, for a sharded optimizer whose replicas hold different shards)."""
-    return {name: _digest(t) for name, t in state_tensors(module, optimizer)}
+    return {name: digest(t) for name, t in state_tensors(module, optimizer)}
 
 
 def flip_bit(module: nn.Module, optimizer: torch.optim.Optimizer | None, seed: int) -> str:
@@ -75,11 +76,17 @@ def flip_bit(module: nn.Module, optimizer: torch.optim.Optimizer | None, seed: i
     Raises:
         ValueError: if the state has no floating tensor with an element.
     """
-    candidates = [
-        (name, t)
-        for name, t in state_tensors(module, optimizer)
-        if t.dtype in _MANTISSA_BITS and t.numel() > 0
-    ]
+    return flip_one(list(state_tensors(module, optimizer)), seed)
+
+
+def flip_one(tensors: list[tuple[str, torch.Tensor]], seed: int) -> str:
+    """`flip_bit` over any named contiguous tensors (in place): one mantissa bit of one
+    element of one floating tensor, chosen from ``seed``. Returns what it flipped.
+
+    Raises:
+        ValueError: if no tensor is floating with an element.
+    """
+    candidates = [(name, t) for name, t in tensors if t.dtype in _MANTISSA_BITS and t.numel() > 0]
     if not candidates:
         raise ValueError("a bit flip needs a floating parameter or optimizer tensor")
     rng = random.Random(seed)

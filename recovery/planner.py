@@ -19,7 +19,8 @@ Invariants, property-tested in tests/test_planner.py:
 
 - every lost worker gets exactly one action; a live worker gets one only in a plan that
   restores everyone (``rollback``, ``restart``);
-- every source is alive and is not itself being rebuilt by the same plan;
+- every source is alive, is not itself being rebuilt by the same plan, and is not one
+  whose state already arrived corrupted in this recovery (``untrusted``);
 - ``rollback`` is chosen if and only if some lost unit has no other allowed source, and
   its step has a live copy of every worker's state;
 - ``RedundancyExhausted`` is raised if and only if some unit has no allowed source at all;
@@ -61,6 +62,9 @@ class Redundancy:
     pls: float = 0.0
     """The job's portion of lost samples if every partial restore of this failure is
     accepted (see recovery/strategies/embedding.py)."""
+    untrusted: frozenset[int] = frozenset()
+    """Live ranks whose state arrived corrupted at a receiver during this recovery (see
+    [Note: checked transfers] in recovery/transfer.py): never a source again in it."""
 
 
 @dataclass(frozen=True)
@@ -141,7 +145,7 @@ def plan(
         return _restart(topology, lost_set, redundancy)
 
     step = max(alive.values(), default=0)
-    current = {rank for rank, s in alive.items() if s == step}
+    current = {rank for rank, s in alive.items() if s == step} - redundancy.untrusted
     actions: list[RecoveryAction] = []
     unplanned: list[str] = []
     if not rollback_all:
@@ -164,7 +168,8 @@ def plan(
             elif redundancy.mirror_holder:
                 unplanned.append(_why_mirror(topology, targets, redundancy, current, policy))
             else:
-                unplanned.append(_why(topology, stage, targets, dead_stages, policy))
+                distrusted = [r for r in topology.stage_group(stage) if r in redundancy.untrusted]
+                unplanned.append(_why(topology, stage, targets, dead_stages, policy, distrusted))
     if not unplanned and not rollback_all:
         return RecoveryPlan(actions=tuple(actions), resume_step=step, lost=tuple(sorted(lost_set)))
 
@@ -317,9 +322,16 @@ def _why(
     targets: list[int],
     dead_stages: set[int],
     policy: RecoveryPolicy,
+    distrusted: Collection[int] = (),
 ) -> str:
     lost = ", ".join(str(topology.worker(r)) for r in targets)
     text = f"stage {stage} lost all {topology.replicas} replica(s) ({lost})"
+    if distrusted:
+        names = ", ".join(str(topology.worker(r)) for r in distrusted)
+        text = (
+            f"stage {stage} has no trusted live replica for {lost} (the state of {names} "
+            "arrived corrupted)"
+        )
     if policy.exact_only or policy.approximate is None:
         return text + " and the policy allows no approximate rebuild"
     if stage in (0, topology.stages - 1) and policy.approximate != "checkfree+":
@@ -337,9 +349,12 @@ def _rollback(
     from recovery.snapshots import peer_rollback_step
 
     alive = set(redundancy.alive)
+    holding = {
+        h: wards for h, wards in redundancy.peer_held.items() if h not in redundancy.untrusted
+    }
     peer = peer_rollback_step(
         alive,
-        {h: {w: set(s) for w, s in wards.items()} for h, wards in redundancy.peer_held.items()},
+        {h: {w: set(s) for w, s in wards.items()} for h, wards in holding.items()},
         {r: set(s) for r, s in redundancy.peer_own.items()},
         topology.world_size,
     )
@@ -356,9 +371,7 @@ def _rollback(
                 actions.append(RecoveryAction(rank=rank, strategy=Strategy.ROLLBACK))
                 continue
             holders = sorted(
-                h
-                for h, wards in redundancy.peer_held.items()
-                if h in alive and peer in wards.get(rank, ())
+                h for h, wards in holding.items() if h in alive and peer in wards.get(rank, ())
             )
             actions.append(
                 RecoveryAction(rank=rank, strategy=Strategy.ROLLBACK, sources=(holders[0],))

@@ -41,6 +41,7 @@ from parallelism.engine import StepStats
 from parallelism.topology import Topology
 from parallelism.workloads.clicks import ClickBatch
 from parallelism.workloads.dlrm import ProcessGroupCollective
+from recovery.errors import TransferCorrupted
 from recovery.faults import Fault, KillPoint
 from recovery.spec import TrainSpec
 from recovery.strategies.embedding import (
@@ -356,11 +357,17 @@ class TableWorker(StageWorker):
         self.comm.wait_sends()
         return sent
 
-    def recv_shard(self, src: int) -> tuple[int, int]:
+    def recv_shard(self, src: int) -> tuple[int, int, dict[int, list[str]]]:
         """Take the dense replica, step and this shard (restored from the holder's mirror).
-        Returns ``(step, bytes received)``."""
+        Returns ``(step, bytes received, what arrived corrupted)``: the dense replica is
+        checked against the sender's digests (the shard's rows are not)."""
         assert self.comm is not None
-        self.step, received, _ = recv_state(self.comm, src, self.table.dense, self.optimizer)
+        corrupted: dict[int, list[str]] = {}
+        try:
+            self.step, received, _ = recv_state(self.comm, src, self.table.dense, self.optimizer)
+        except TransferCorrupted as exc:  # receive the rest all the same: the protocol goes on
+            corrupted = {source: list(tensors) for _, source, tensors in exc.found}
+            received = 0
         shard = self.table.shard
         weight = self.comm.recv(torch.empty_like(shard.weight.detach()), src)
         accumulator = self.comm.recv(torch.empty_like(shard.accumulator), src)
@@ -368,4 +375,4 @@ class TableWorker(StageWorker):
         shard.load(weight, accumulator)
         self.tracker = MFUTracker(shard.num_rows, counts)
         received += sum(t.numel() * t.element_size() for t in (weight, accumulator, counts))
-        return self.step, received
+        return self.step, received, corrupted

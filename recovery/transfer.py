@@ -7,6 +7,17 @@ is unpickled, and every shape is checked before it is allocated), then every ten
 destination receives each tensor straight into its own parameter or a freshly allocated
 optimizer buffer -- no flattening copy on either side. RNG state needs no bytes: every
 random draw is derived from ``(seed, stage, replica, step)`` (see ``parallelism/seeding.py``).
+
+[Note: checked transfers]
+Every transfer carries the sender's fingerprint of what it sends: the description holds a
+BLAKE2b digest of each tensor's bytes (`recovery.fingerprint.digest`), taken from the
+sender's own state, and the receiver hashes what arrived before it trusts any of it. A
+mismatch raises `TransferCorrupted` naming the source and the tensors (the optimizer state
+is not loaded; the parameters, received in place, hold garbage until the retry), and the
+runtime retries from another source -- another live replica, or the next tier of the
+recovery hierarchy (recovery/runtime/executor.py). Peer snapshots carry the digests they
+were packed with the same way (`recovery.snapshots.packing`). ``flip`` on the sending side
+is the injected fault: a bit flipped in flight, after the digests were taken.
 """
 
 from __future__ import annotations
@@ -20,6 +31,8 @@ import torch
 from torch import nn
 
 from parallelism.comm import GarbledMessage, StageComm
+from recovery.errors import TransferCorrupted
+from recovery.fingerprint import digest, flip_one
 from recovery.wire import recv_header, send_header, tensor_spec
 
 
@@ -33,13 +46,17 @@ def _tensor_meta(t: torch.Tensor) -> tuple[str, tuple[int, ...], str]:
     return ("tensor", tuple(t.shape), str(t.dtype).removeprefix("torch."))
 
 
-def _describe_entry(entry: dict[str, Any], tensors: list[torch.Tensor]) -> dict[str, Any]:
-    """Describe one parameter's optimizer state; append the tensors to send to ``tensors``."""
+def _describe_entry(
+    entry: dict[str, Any], tensors: list[torch.Tensor], names: list[str], prefix: str
+) -> dict[str, Any]:
+    """Describe one parameter's optimizer state; append the tensors to send to ``tensors``
+    and their names (``<prefix>.<key>``) to ``names``."""
     meta: dict[str, Any] = {}
     for key, value in entry.items():
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             meta[key] = _tensor_meta(value)
             tensors.append(value.detach())
+            names.append(f"{prefix}.{key}")
         elif isinstance(value, torch.Tensor):
             # Scalars (Adam's step count) may live on the CPU even on a GPU worker, where
             # the backend cannot send them; they travel inside the description.
@@ -74,21 +91,65 @@ def _reading(src: int) -> Iterator[None]:
         raise GarbledMessage(f"a state description from rank {src} does not fit: {err!r}") from None
 
 
+def _parameter_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The name of each parameter at its index in ``optimizer.state_dict()``."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return [names.get(id(p), str(i)) for i, p in enumerate(params)]
+
+
 def _describe(
     module: nn.Module, optimizer: torch.optim.Optimizer, step: int
-) -> tuple[dict[str, Any], list[torch.Tensor]]:
+) -> tuple[dict[str, Any], list[torch.Tensor], list[str]]:
+    """The description, the tensors to send and their names (state_dict keys, then
+    ``optim.<parameter>.<key>`` as in `recovery.fingerprint`)."""
     model = module.state_dict()
     opt = optimizer.state_dict()
     tensors: list[torch.Tensor] = list(model.values())
+    names = list(model)
+    params = _parameter_names(module, optimizer)
     state_meta: dict[int, dict[str, Any]] = {}
     for index, entry in opt["state"].items():
-        state_meta[index] = _describe_entry(entry, tensors)
+        where = params[index] if 0 <= index < len(params) else str(index)
+        state_meta[index] = _describe_entry(entry, tensors, names, f"optim.{where}")
     meta = {
         "model": [(k, *_tensor_meta(v)[1:]) for k, v in model.items()],
         "optimizer": {"state": state_meta, "param_groups": opt["param_groups"]},
         "step": step,
     }
-    return meta, tensors
+    return meta, tensors, names
+
+
+def _seal(
+    meta: dict[str, Any], tensors: list[torch.Tensor], names: list[str], flip: int | None
+) -> list[torch.Tensor]:
+    """Put the sender's digests of ``tensors`` in ``meta``; return what to send: the
+    tensors, or (``flip``: the injected fault) copies with one bit flipped after hashing."""
+    meta["digests"] = [[n, digest(t)] for n, t in zip(names, tensors, strict=True)]
+    if flip is None:
+        return tensors
+    copies = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
+    flip_one(list(zip(names, copies, strict=True)), flip)
+    return copies
+
+
+def _check(meta: dict[str, Any], targets: list[torch.Tensor], src: int, rank: int) -> None:
+    """Raise `TransferCorrupted` if what arrived in ``targets`` differs from the sender's
+    digests (see [Note: checked transfers])."""
+    with _reading(src):
+        sent = [(str(name), str(hexdigest)) for name, hexdigest in meta["digests"]]
+    if len(sent) != len(targets):
+        raise GarbledMessage(
+            f"a state description from rank {src} with {len(sent)} digests for "
+            f"{len(targets)} tensors"
+        )
+    bad = tuple(n for (n, d), t in zip(sent, targets, strict=True) if digest(t) != d)
+    if bad:
+        raise TransferCorrupted(
+            f"state from rank {src} to rank {rank} arrived corrupted: {', '.join(bad)} "
+            "differ from the sender's fingerprint",
+            found=[(rank, src, bad)],
+        )
 
 
 def send_state(
@@ -100,15 +161,19 @@ def send_state(
     extra: dict[str, Any] | None = None,
     *,
     wait: bool = True,
+    flip: int | None = None,
 ) -> int:
     """Send this worker's full state to global rank ``dst``. Returns the bytes sent.
 
     ``extra`` (small, JSON values) travels in the description: per-worker marks such as
     when the stage was last rebuilt. ``wait=False`` returns once the sends are posted
-    (finish them with ``comm.wait_sends()``), so a worker can receive meanwhile.
+    (finish them with ``comm.wait_sends()``), so a worker can receive meanwhile. The
+    description carries the digest of every tensor (see [Note: checked transfers]);
+    ``flip`` (a seed) injects a bit flipped in flight after they were taken.
     """
-    meta, tensors = _describe(module, optimizer, step)
+    meta, tensors, names = _describe(module, optimizer, step)
     meta["extra"] = extra or {}
+    tensors = _seal(meta, tensors, names, flip)
     header = send_header(comm, dst, meta)
     for t in tensors:
         comm.isend(t.detach(), dst)
@@ -128,6 +193,8 @@ def recv_state(
         RuntimeError: if the source's module does not match this worker's (a different
             stage or model), before any parameter is overwritten.
         GarbledMessage: if the description is not one `send_state` sends.
+        TransferCorrupted: if what arrived differs from the sender's digests; the
+            optimizer state is then left as it was, the parameters are not to be trusted.
     """
     meta, header = recv_header(comm, src)
     model = module.state_dict()
@@ -148,6 +215,7 @@ def recv_state(
             state[index] = _allocate_entry(entry, comm.device, targets)
         param_groups, step, extra = meta["optimizer"]["param_groups"], meta["step"], meta["extra"]
     comm.recv_many(targets, src)
+    _check(meta, targets, src, comm.rank)
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
     total = header + sum(t.numel() * t.element_size() for t in targets)
     return int(step), total, dict(extra)
@@ -155,7 +223,7 @@ def recv_state(
 
 def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes of a worker's state (what a transfer moves, less the small description)."""
-    _, tensors = _describe(module, optimizer, 0)
+    _, tensors, _ = _describe(module, optimizer, 0)
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -172,8 +240,12 @@ def send_named(
             if entry:
                 opt[name] = dict(entry)
     tensors: list[torch.Tensor] = list(model.values())
-    meta_opt = {name: _describe_entry(entry, tensors) for name, entry in opt.items()}
+    names = list(model)
+    meta_opt = {
+        name: _describe_entry(entry, tensors, names, f"optim.{name}") for name, entry in opt.items()
+    }
     meta = {"model": [(k, *_tensor_meta(v)[1:]) for k, v in model.items()], "moments": meta_opt}
+    tensors = _seal(meta, tensors, names, None)
     header = send_header(comm, dst, meta)
     for t in tensors:
         comm.isend(t, dst)
@@ -188,6 +260,7 @@ def recv_named(
 
     Raises:
         GarbledMessage: if the description is not one `send_named` sends.
+        TransferCorrupted: if what arrived differs from the sender's digests.
     """
     meta, header = recv_header(comm, src)
     with _reading(src):
@@ -198,6 +271,7 @@ def recv_named(
             for name, entry in meta["moments"].items()
         }
     comm.recv_many(targets, src)
+    _check(meta, targets, src, comm.rank)
     return state, moments, header + sum(t.numel() * t.element_size() for t in targets)
 
 

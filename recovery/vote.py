@@ -163,7 +163,9 @@ def corruption_plan(
             sources = [
                 r
                 for r in verdict.majority[stage]
-                if redundancy.alive.get(r) == step and r not in lost_set
+                if redundancy.alive.get(r) == step
+                and r not in lost_set
+                and r not in redundancy.untrusted
             ]
             if not sources:
                 break

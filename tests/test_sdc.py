@@ -18,10 +18,12 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from parallelism import Topology
-from recovery import BitFlip, FailureSchedule, KillPoint, RecoveryPolicy
+from recovery import BitFlip, FailureSchedule, Kill, KillPoint, RecoveryPolicy
+from recovery.errors import RedundancyExhausted
 from recovery.fingerprint import fingerprint, flip_bit, state_tensors
 from recovery.names import Strategy
 from recovery.planner import Redundancy
+from recovery.snapshots import PackedState, pack_state
 from recovery.vote import can_vote, corruption_plan, vote
 from tests.jobs import drive, make
 from tests.workloads import mlp_spec
@@ -327,3 +329,110 @@ def test_fingerprints_need_replicas_and_a_replicated_layout() -> None:
         )
     with pytest.raises(ValueError, match="fingerprint_every"):
         RecoveryPolicy(fingerprint_every=-1)
+
+
+# -- checked transfers and snapshots (see [Note: checked transfers] in recovery/transfer.py)
+
+
+def test_a_transfer_corrupted_in_flight_is_retried_from_another_replica_and_ends_exact(
+    oracles: dict[Topology, Any],
+) -> None:
+    top = Topology(2, 3)
+    kill = Kill(step=3, stage=0, replica=0)
+    flip = BitFlip(step=3, stage=0, replica=1, seed=5, in_flight=True)  # the first source
+    controller = run(top, kill, flip)
+    assert_same(controller.final_states, oracles[top].final_states)
+    (event,) = controller.events
+    assert event.strategy == Strategy.REPLICA_COPY and event.lost_steps == 0
+    (bad,) = event.transfers_corrupted
+    assert (bad["target"], bad["source"], bad["snapshot"]) == ((0, 0), (0, 1), None)
+    assert bad["tensors"] and all(isinstance(t, str) for t in bad["tensors"])
+    assert [a["sources"] for a in event.actions] == [[(0, 2)]]  # the retry: another replica
+
+
+def test_a_corrupted_transfer_with_no_other_replica_falls_to_a_rollback(
+    oracles: dict[Topology, Any],
+) -> None:
+    top = Topology(2, 2)
+    faults = (
+        Kill(step=3, stage=0, replica=0),
+        BitFlip(step=3, stage=0, replica=1, seed=5, in_flight=True),
+    )
+    controller = run(top, *faults, policy=RecoveryPolicy(snapshot_every=2))
+    assert_same(controller.final_states, oracles[top].final_states)
+    (event,) = controller.events
+    assert event.strategy == Strategy.ROLLBACK and event.step - event.lost_steps == 2
+    assert [(c["target"], c["source"]) for c in event.transfers_corrupted] == [((0, 0), (0, 1))]
+
+
+def test_a_corrupted_transfer_with_no_source_left_is_a_recovery_error_naming_it() -> None:
+    faults = (
+        Kill(step=3, stage=0, replica=0),
+        BitFlip(step=3, stage=0, replica=1, seed=5, in_flight=True),
+    )
+    policy = RecoveryPolicy(snapshot_every=None)
+    controller, _ = make(mlp_spec(), Topology(2, 2), *faults, policy=policy, steps=STEPS)
+    drive(controller)
+    assert isinstance(controller.error, RedundancyExhausted), controller.error
+    text = str(controller.error)
+    assert "from worker (0,1)" in text and "to worker (0,0)" in text and "no trusted" in text
+    assert "arrived corrupted in " in text and "no other source is left" in text
+
+
+def test_a_flip_in_a_snapshot_held_by_a_peer_is_caught_before_it_is_restored(
+    oracles: dict[Topology, Any],
+) -> None:
+    """Both replicas of stage 0 die: everyone rolls back to the newest peer snapshot (4).
+    One of them gets its copy from a holder in whose memory a bit flipped; the copy's
+    digests (recorded when it was taken) expose it before it is restored, that copy is
+    booked as gone, and the job rolls back to the older snapshot (2) instead -- the next
+    step of the hierarchy -- and ends exact."""
+    top = Topology(2, 2)
+    kills = [Kill(step=5, stage=0, replica=r) for r in range(2)]
+    policy = RecoveryPolicy(fingerprint_every=2, snapshot_every=2)
+    controller, group = make(mlp_spec(), top, *kills, policy=policy, steps=STEPS, nodes=3)
+    try:
+        while controller.step < 5:
+            controller.advance()
+        stage0 = set(top.stage_group(0))
+        ward = next(w for w in sorted(stage0) if controller.ledger.ring[w] not in stage0)
+        holder = controller.ledger.ring[ward]
+        keeper = group._workers[holder].worker.snapshots
+        keeper.join_exchange()
+        packed = keeper.peer.get(4, ward)
+        assert packed.digests is not None and packed.corrupted() == ()
+        slot = packed.layout[0]
+        packed.data[slot.offset] ^= 1  # the lowest mantissa bit of a float32: still finite
+        assert packed.corrupted() == (slot.name,)
+    finally:
+        drive(controller)
+    assert controller.error is None, controller.error
+    assert_same(controller.final_states, oracles[top].final_states)
+    (event,) = controller.events
+    assert event.strategy == Strategy.ROLLBACK and event.tier == "peer"
+    assert event.step - event.lost_steps == 2  # not 4: that copy was refused
+    (bad,) = event.transfers_corrupted
+    coords = top.worker(ward).stage, top.worker(ward).replica
+    holder_at = top.worker(holder).stage, top.worker(holder).replica
+    assert (bad["target"], bad["source"], bad["snapshot"]) == (coords, holder_at, 4)
+    assert bad["tensors"] == [slot.name]
+
+
+def test_a_snapshot_records_its_digests_and_they_travel_with_it() -> None:
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(module.parameters())
+    module(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    assert pack_state(module, optimizer, 3).digests is None  # off unless asked for
+    packed = pack_state(module, optimizer, 3, digests=True)
+    assert packed.digests is not None
+    assert (
+        dict(zip((s.name for s in packed.layout), packed.digests, strict=True))["weight"]
+        == fingerprint(module, optimizer)["weight"]
+    )  # the same digest as the vote's
+    received = PackedState.from_parts(packed.header(), packed.data.clone())
+    assert received.digests == packed.digests and received.corrupted() == ()
+    received.data[packed.layout[-1].offset] ^= 0x10
+    assert received.corrupted() == (packed.layout[-1].name,)
+    assert packed.corrupted() == ()

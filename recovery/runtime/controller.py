@@ -623,6 +623,7 @@ class Controller:
             raise RecoveryError(f"could not re-seed the shard mirrors: {exc}") from None
         embedding = self.layout.account(rec.plan, rec.alive, rec.assessed)
         rec.add_time("transfer", t0)
+        corrupted = self.ledger.recovered()  # every live worker is a trusted source again
         event = recovery_event(
             self.topology,
             rec.failure,
@@ -634,6 +635,7 @@ class Controller:
             started_wall=self.started_wall,
             breakdown=rec.breakdown,
             embedding=embedding,
+            transfers_corrupted=corrupted,
         )
         self._finish_event(resumed=False)  # the last recovery's next step failed, too
         self._pending_event = PendingEvent(event)

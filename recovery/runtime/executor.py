@@ -5,7 +5,11 @@ calls it started (a send on each source, a receive on each target); the executor
 every strategy's calls before it waits for any, because a source may be sending to one
 target while another target receives from a third worker over the same process group.
 Rollback and the restart baseline restore every worker and have a function of their own.
-The executor decides nothing: what moves where is the planner's.
+The executor decides nothing: what moves where is the planner's. Every receive checks
+what arrived against the sender's digests (see [Note: checked transfers] in
+recovery/transfer.py); a corrupted arrival is never used: `execute` raises
+`TransferCorrupted` once every call has returned, and `execute_or_fall_back` books the
+source (or the snapshot copy) as untrusted and carries out the plan made without it.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 from parallelism.topology import Topology
-from recovery.errors import SnapshotCorrupted
+from recovery.errors import RedundancyExhausted, SnapshotCorrupted, TransferCorrupted
 from recovery.names import Strategy, Tier
 from recovery.planner import RecoveryAction, RecoveryPlan
 from recovery.policy import RecoveryPolicy
@@ -33,7 +37,11 @@ log = logging.getLogger("checkfree")
 
 Transfers = dict[tuple[int, str], Call]
 """(rank, what) -> the call: ``send*`` and ``named*`` calls return bytes sent, ``copy``
-calls ``(step, bytes received)``."""
+calls ``(step, bytes received, corruption)``, ``rebuild`` calls ``(bytes, corruption)``,
+a rollback's ``own`` and ``recv`` calls ``(step, corruption)`` (see `Corruption`)."""
+
+_RECEIVES = ("copy", "rebuild", "own", "recv")
+"""The calls that receive state; the last item of each one's result is its `Corruption`."""
 
 
 @dataclass
@@ -117,6 +125,28 @@ def _sent(results: dict[tuple[int, str], Any]) -> int:
     return sum(int(v) for k, v in results.items() if k[1].startswith(("send", "named")))
 
 
+def _refuse_corrupted(
+    ctx: Restore, results: dict[tuple[int, str], Any], snapshot: int | None = None
+) -> None:
+    """Raise `TransferCorrupted` if some receive found what arrived corrupted."""
+    found = [
+        (rank, int(source), tuple(tensors))
+        for (rank, what), value in sorted(results.items(), key=str)
+        if what in _RECEIVES
+        for source, tensors in sorted(value[-1].items())
+    ]
+    if not found:
+        return
+    worker = ctx.topology.worker
+    what = "state" if snapshot is None else f"the peer snapshot of step {snapshot}"
+    lines = [
+        f"{what} from worker {worker(src)} (rank {src}) to worker {worker(dst)} (rank {dst}) "
+        f"arrived corrupted in {', '.join(tensors)}"
+        for dst, src, tensors in found
+    ]
+    raise TransferCorrupted("; ".join(lines), found=found, snapshot=snapshot)
+
+
 def _rollback(ctx: Restore, plan: RecoveryPlan) -> int:
     """Every worker restores the plan's snapshot: its own copy, a holder's, or the durable tier."""
     step = plan.resume_step
@@ -139,7 +169,9 @@ def _rollback(ctx: Restore, plan: RecoveryPlan) -> int:
             calls[(action.rank, "recv")] = ctx.group.submit(
                 action.rank, "recv_snapshot", step, holder
             )
-        moved = _sent(_gather(ctx, calls, f"roll back to step {step}"))
+        results = _gather(ctx, calls, f"roll back to step {step}")
+        _refuse_corrupted(ctx, results, snapshot=step)
+        moved = _sent(results)
     if ctx.durable is not None:
         ctx.durable.discard_after(step)
     ctx.ledger.rolled_back(step)
@@ -169,12 +201,15 @@ def execute_or_fall_back(
     ctx: Restore, plan: RecoveryPlan, replan: Callable[[], RecoveryPlan]
 ) -> tuple[RecoveryPlan, int]:
     """`execute` ``plan``; if the durable snapshot it loads is corrupted, book that snapshot
-    as gone and carry out ``replan()`` instead (an older snapshot). Returns the plan carried
-    out and the bytes moved.
+    as gone and carry out ``replan()`` instead (an older snapshot); if some state arrived
+    corrupted, book its source (or the snapshot copy) as untrusted and carry out
+    ``replan()`` -- another live replica, or the next tier of the recovery hierarchy.
+    Returns the plan carried out and the bytes moved.
 
     Raises:
         RecoveryInterrupted: naming the workers lost or broken while transferring.
-        RedundancyExhausted: from ``replan``, when no intact snapshot is left.
+        RedundancyExhausted: from ``replan``, when no intact snapshot or trusted source is
+            left (naming the worker and the tensors that arrived corrupted).
     """
     while True:
         try:
@@ -183,6 +218,13 @@ def execute_or_fall_back(
             log.warning("durable snapshot of step %d is corrupted: %s", plan.resume_step, exc)
             ctx.ledger.durable_steps.remove(plan.resume_step)
             plan = replan()
+        except TransferCorrupted as exc:  # never use it; plan again without that source
+            log.warning("%s: planning again without it", exc)
+            ctx.ledger.distrust(exc.found, exc.snapshot)
+            try:
+                plan = replan()
+            except RedundancyExhausted as gone:
+                raise RedundancyExhausted(f"{exc}, and no other source is left: {gone}") from None
 
 
 def execute(ctx: Restore, plan: RecoveryPlan) -> int:
@@ -192,6 +234,8 @@ def execute(ctx: Restore, plan: RecoveryPlan) -> int:
         RecoveryInterrupted: naming the workers lost or broken while transferring.
         SnapshotCorrupted: if a durable snapshot chosen by the plan fails its checksums
             (nothing was loaded from it).
+        TransferCorrupted: if some state arrived corrupted (it is not used; ``snapshot`` is
+            the step of a peer snapshot that did, None for a live worker's state).
     """
     kinds = {a.strategy for a in plan.actions}
     whole = [WHOLE_PLAN[k] for k in kinds if k in WHOLE_PLAN]
@@ -205,6 +249,7 @@ def execute(ctx: Restore, plan: RecoveryPlan) -> int:
         if actions:
             calls.update(fn(ctx, actions, plan.resume_step))
     results = _gather(ctx, calls, "transfer state")
+    _refuse_corrupted(ctx, results)
     steps = {v[0] for k, v in results.items() if k[1] == "copy"}
     assert steps <= {plan.resume_step}, (steps, plan.resume_step)
     for action in plan.actions:  # a rebuilt stage has no gradient history yet

@@ -17,7 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 from parallelism.topology import Topology
-from recovery.faults import FailureSchedule, Fault, Kill, KillNode, WorkerFault
+from recovery.faults import BitFlip, FailureSchedule, Fault, Kill, KillNode, WorkerFault
 from recovery.runtime.group import expect_exit
 from recovery.runtime.membership import Membership
 
@@ -56,6 +56,8 @@ class InjectedFaults:
                 self._fired.add(fault)
             elif isinstance(fault, WorkerFault):
                 out.setdefault(self.topology.rank(fault.stage, fault.replica), []).append(fault)
+                if isinstance(fault, BitFlip) and fault.in_flight:
+                    self._fired.add(fault)  # delivered once; it strikes at a later send
         for rank, faults in out.items():
             if any(isinstance(f, Kill) for f in faults):
                 with contextlib.suppress(KeyError):  # a rank without a worker dies anyway

@@ -35,6 +35,12 @@ class RedundancyLedger:
     ring: dict[int, int] = field(default_factory=dict)
     """Rank -> its buddy in the current generation: the holder of its peer snapshots and
     (embedding tables) of its shard mirror."""
+    untrusted: set[int] = field(default_factory=set)
+    """Live ranks whose state arrived corrupted at a receiver in the recovery under way: no
+    source of it any more (see [Note: checked transfers] in recovery/transfer.py)."""
+    corrupted: list[tuple[int, int, tuple[str, ...], int | None]] = field(default_factory=list)
+    """What arrived corrupted in the recovery under way, for its event: ``(target, source,
+    tensors, snapshot step or None for a live state)``."""
     grad_norms: GradNormTracker = field(init=False)
     """Each stage's clipped gradient norm at the last committed step (CheckFree weights)."""
 
@@ -72,6 +78,28 @@ class RedundancyLedger:
         for rank in ranks:
             self.holdings.pop(rank, None)
 
+    def distrust(
+        self, found: Iterable[tuple[int, int, tuple[str, ...]]], snapshot: int | None
+    ) -> None:
+        """Corrupted arrivals ``(target, source, tensors)``: of a live state (``snapshot``
+        None), the source is no source again in this recovery; of a peer snapshot of step
+        ``snapshot``, that copy (the holder's, or the target's own) is booked as gone."""
+        for target, source, tensors in found:
+            self.corrupted.append((target, source, tuple(tensors), snapshot))
+            if snapshot is None:
+                self.untrusted.add(source)
+                continue
+            steps = self.holdings.get(source, {}).get(target)
+            if steps is not None and snapshot in steps:
+                steps.remove(snapshot)
+
+    def recovered(self) -> list[tuple[int, int, tuple[str, ...], int | None]]:
+        """The recovery under way is done: trust every live rank again. Returns (and
+        forgets) what arrived corrupted in it."""
+        found, self.corrupted = self.corrupted, []
+        self.untrusted = set()
+        return found
+
     def rolled_back(self, step: int) -> None:
         """After a rollback to ``step``: nothing of the abandoned timeline remains."""
         self.durable_steps = [s for s in self.durable_steps if s <= step]
@@ -102,4 +130,5 @@ class RedundancyLedger:
             mirror_holder=dict(mirror_holder or {}),
             mirror_stale=dict(mirror_stale or {}),
             pls=pls,
+            untrusted=frozenset(self.untrusted & set(alive)),
         )

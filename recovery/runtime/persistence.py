@@ -233,7 +233,7 @@ class Persistence:
         back to it (see [Note: fingerprint vote] in recovery/vote.py)."""
         if self.policy.snapshots.peer_every and self.topology.world_size > 1:
             hang = self.policy.timeouts.hang
-            self._all("take_snapshot", "take the initial peer snapshots", step, timeout=hang)
+            self._all("take_snapshot", "take the initial peer snapshots", step, True, timeout=hang)
 
     # -- after each commit ---------------------------------------------------------------
 
@@ -257,7 +257,8 @@ class Persistence:
         every = self.policy.snapshots.peer_every
         if every and self.topology.world_size > 1 and step % every == 0:
             start = time.perf_counter()
-            self._all("take_snapshot", "take peer snapshots", step, timeout=hang)
+            digests = bool(self.policy.fingerprint_every)  # see [Note: checked transfers]
+            self._all("take_snapshot", "take peer snapshots", step, digests, timeout=hang)
             self._timed("snapshot_write", start)
         every = self.policy.snapshots.durable_every
         if (

@@ -135,8 +135,13 @@ def recovery_event(
     started_wall: float,
     breakdown: Mapping[str, float],
     embedding: dict[str, float] | None,
+    transfers_corrupted: Collection[tuple[int, int, tuple[str, ...], int | None]] = (),
 ) -> RecoveryEvent:
-    """The event of a finished recovery (its ``resume`` phase is added at the next commit)."""
+    """The event of a finished recovery (its ``resume`` phase is added at the next commit).
+
+    ``transfers_corrupted``: what arrived corrupted meanwhile and was not used, as
+    ``(target, source, tensors, snapshot step or None)`` (`RedundancyLedger.corrupted`).
+    """
 
     def coords(rank: int) -> tuple[int, int]:
         worker = topology.worker(rank)
@@ -174,5 +179,14 @@ def recovery_event(
                 "majority": r not in failure.corruption.undecided,
             }
             for r in sorted(failure.corruption.suspects + failure.corruption.undecided)
+        ],
+        transfers_corrupted=[
+            {
+                "target": coords(target),
+                "source": coords(source),
+                "tensors": list(tensors),
+                "snapshot": snapshot,
+            }
+            for target, source, tensors, snapshot in transfers_corrupted
         ],
     )

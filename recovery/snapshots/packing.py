@@ -4,7 +4,10 @@ What the peer tier keeps and sends: `pack_state` copies every tensor of the modu
 the optimizer's state dicts into one 64-byte-aligned uint8 buffer (a single send/recv, a
 single allocation that can be reused), `unpack_state` restores it bit for bit. The copy is
 taken before returning, so the optimizer update that follows cannot leak into it (see
-[Note: snapshot consistency] in ``recovery/snapshots/__init__.py``).
+[Note: snapshot consistency] in ``recovery/snapshots/__init__.py``). With ``digests`` it
+also records the fingerprint it was taken with -- a digest of each slot's bytes
+(`recovery.fingerprint.digest`) -- which travels in the header, so that a copy flipped in a
+holder's memory or on the way is found (`PackedState.corrupted`) before it is restored.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from torch import nn
 
 from parallelism.checks import check_index
 from parallelism.comm import GarbledMessage
+from recovery.fingerprint import digest
 from recovery.wire import decode, encode, record, tensor_spec
 
 __all__ = ["PackedState", "TensorSlot", "pack_state", "unpack_state"]
@@ -63,6 +67,8 @@ class PackedState:
     """How many leading entries of ``layout`` belong to the module."""
     optimizer: dict[str, Any]
     """``optimizer.state_dict()`` with every tensor replaced by a reference into ``layout``."""
+    digests: tuple[str, ...] | None = None
+    """The digest of each slot's bytes when it was packed (None: not recorded)."""
 
     @property
     def nbytes(self) -> int:
@@ -70,7 +76,18 @@ class PackedState:
 
     def header(self) -> bytes:
         """Everything but ``data``, encoded for the wire: send it first, then ``data``."""
-        return encode((self.step, self.layout, self.model_tensors, self.optimizer))
+        return encode((self.step, self.layout, self.model_tensors, self.optimizer, self.digests))
+
+    def corrupted(self) -> tuple[str, ...]:
+        """The slots whose bytes no longer match the digests recorded when this state was
+        packed (empty: intact, or no digests recorded)."""
+        if self.digests is None:
+            return ()
+        return tuple(
+            slot.name
+            for slot, recorded in zip(self.layout, self.digests, strict=True)
+            if digest(self.data[slot.offset : slot.offset + slot.nbytes]) != recorded
+        )
 
     @classmethod
     def from_parts(cls, header: bytes, data: torch.Tensor) -> PackedState:
@@ -82,19 +99,25 @@ class PackedState:
             ValueError: if ``data`` is not a 1-D uint8 tensor of the size the header needs.
         """
         parts = decode(header)
-        if not (isinstance(parts, tuple) and len(parts) == 4):
+        if not (isinstance(parts, tuple) and len(parts) == 5):
             raise GarbledMessage(
-                "a packed-state header that is not (step, layout, count, optimizer)"
+                "a packed-state header that is not (step, layout, count, optimizer, digests)"
             )
-        step, layout, model_tensors, optimizer = parts
+        step, layout, model_tensors, optimizer, digests = parts
         _check_layout(step, layout, model_tensors)
+        if digests is not None and not (
+            isinstance(digests, tuple)
+            and len(digests) == len(layout)
+            and all(isinstance(d, str) for d in digests)
+        ):
+            raise GarbledMessage("a packed-state header whose digests do not fit its layout")
         need = max((s.offset + s.nbytes for s in layout), default=0)
         if data.dtype != torch.uint8 or data.dim() != 1 or data.numel() < need:
             raise ValueError(
                 f"packed state data must be 1-D uint8 of at least {need} bytes, got "
                 f"{data.dtype} {tuple(data.shape)}"
             )
-        return cls(step, data, layout, model_tensors, optimizer)
+        return cls(step, data, layout, model_tensors, optimizer, digests)
 
 
 def _check_layout(step: object, layout: object, model_tensors: object) -> None:
@@ -151,6 +174,7 @@ def pack_state(
     *,
     device: torch.device | str = "cpu",
     out: torch.Tensor | None = None,
+    digests: bool = False,
 ) -> PackedState:
     """Copy a worker's state into one contiguous byte tensor on ``device`` (host memory by
     default: that is where a buddy keeps it). The copy is taken now; later updates to
@@ -161,6 +185,8 @@ def pack_state(
             of allocating: copying into memory already touched is ~3x faster on CPU than
             into fresh pages. Used when it is a 1-D uint8 tensor on ``device`` that is
             large enough, ignored otherwise. Nothing else may still read it.
+        digests: record the digest of each tensor's packed bytes (`PackedState.corrupted`
+            checks them), at the cost of hashing the state once.
 
     Raises:
         ValueError: for a negative step.
@@ -193,7 +219,12 @@ def pack_state(
             if slot.nbytes:
                 flat = t.detach().reshape(-1).view(torch.uint8)
                 data[slot.offset : slot.offset + slot.nbytes].copy_(flat)
-    return PackedState(step, data, tuple(layout), model_tensors, optimizer_desc)
+    recorded = (
+        tuple(digest(data[slot.offset : slot.offset + slot.nbytes]) for slot in layout)
+        if digests
+        else None
+    )
+    return PackedState(step, data, tuple(layout), model_tensors, optimizer_desc, recorded)
 
 
 def unpack_state(packed: PackedState, module: nn.Module, optimizer: torch.optim.Optimizer) -> int:

@@ -91,14 +91,16 @@ class SnapshotKeeper:
         comm: StageComm | None,
         buddy: int | None,
         ward: int | None,
+        digests: bool = False,
     ) -> None:
         """Keep a packed copy of ``rank``'s state at ``step``; swap copies with buddy and ward.
 
         The copy is packed now (so the next step cannot leak into it); the swap runs on a
-        background thread over the side group, overlapped with training.
+        background thread over the side group, overlapped with training. ``digests``:
+        record the fingerprint it is taken with (`PackedState.corrupted` checks it).
         """
         self.join_exchange()
-        packed = pack_state(module, optimizer, step)
+        packed = pack_state(module, optimizer, step, digests=digests)
         self.peer.put(step, rank, packed)
         if comm is not None and buddy is not None and ward is not None and buddy != rank:
             self._exchange = threading.Thread(

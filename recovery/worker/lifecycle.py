@@ -50,6 +50,9 @@ class WorkerLifecycle:
         self.snapshots = SnapshotKeeper()
         self.buddy: int | None = None
         self.ward: int | None = None
+        self.flip_in_flight: int | None = None
+        """An injected `recovery.faults.BitFlip` with ``in_flight``: the seed of the bit
+        to flip in the next state this worker sends (see [Note: checked transfers])."""
 
     # -- identity ------------------------------------------------------------------------
 

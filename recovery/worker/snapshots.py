@@ -48,40 +48,57 @@ class Snapshotting(WorkerLifecycle):
 
     # -- peer memory ---------------------------------------------------------------------
 
-    def take_snapshot(self, step: int) -> float:
+    def take_snapshot(self, step: int, digests: bool = False) -> float:
         """Keep a packed copy of this worker's state at ``step`` and send one to the buddy.
 
         The copy is taken now (so the next step cannot leak into it); the exchange with
         buddy and ward runs on a background thread over the side group, overlapped with
-        training. Returns the seconds the caller was blocked.
+        training. ``digests``: the copy records the fingerprint it was taken with, checked
+        before it is restored. Returns the seconds the caller was blocked.
         """
         start = time.perf_counter()
         assert step == self.step, (step, self.step)
         self.snapshots.take(
-            step, self.rank, self.module, self.optimizer, self.comm, self.buddy, self.ward
+            step,
+            self.rank,
+            self.module,
+            self.optimizer,
+            self.comm,
+            self.buddy,
+            self.ward,
+            digests=digests,
         )
         return time.perf_counter() - start
 
-    def restore_own(self, step: int) -> int:
-        """Roll back to this worker's own peer snapshot of ``step``. Returns the step."""
+    def restore_own(self, step: int) -> tuple[int, dict[int, list[str]]]:
+        """Roll back to this worker's own peer snapshot of ``step``. Returns the step and
+        the tensors found corrupted (then nothing is restored: see `PackedState.corrupted`)."""
         packed = self.snapshots.peer.get(step, self.rank)
+        bad = packed.corrupted()
+        if bad:
+            return self.step, {self.rank: list(bad)}
         self.step = unpack_state(packed, self.module, self.optimizer)
         self._rolled_back(step)
-        return self.step
+        return self.step, {}
 
     def send_snapshot(self, step: int, ward: int, dst: int) -> int:
         """Send the held snapshot of ``ward`` at ``step`` to ``dst`` (its replacement). Returns bytes."""
         assert self.comm is not None
         return self.snapshots.send(self.comm, step, ward, dst)
 
-    def recv_snapshot(self, step: int, src: int) -> int:
-        """Restore the snapshot of ``step`` that ``src`` holds for this rank. Returns the step."""
+    def recv_snapshot(self, step: int, src: int) -> tuple[int, dict[int, list[str]]]:
+        """Restore the snapshot of ``step`` that ``src`` holds for this rank. Returns the
+        step and the tensors that arrived corrupted -- flipped in the holder's memory or on
+        the way (then nothing is restored)."""
         assert self.comm is not None
         packed = self.snapshots.receive(self.comm, src)
+        bad = packed.corrupted()
+        if bad:
+            return self.step, {src: list(bad)}
         self.step = unpack_state(packed, self.module, self.optimizer)
         self._rolled_back(step)
         self.snapshots.peer.put(step, self.rank, packed)
-        return self.step
+        return self.step, {}
 
     # -- the durable tier ----------------------------------------------------------------
 

@@ -204,6 +204,9 @@ class StageWorker(Snapshotting, StateTransfer):
                 with torch.no_grad():  # a flipped bit: nothing fails, the numbers go bad
                     next(self.module.parameters()).view(-1)[0] = float("nan")
                 continue
+            if isinstance(fault, BitFlip) and fault.in_flight:  # strikes the next send
+                self.flip_in_flight = fault.seed
+                continue
             if isinstance(fault, BitFlip):  # finite and wrong: only a fingerprint vote sees it
                 self.flipped = flip_bit(
                     self.module, self.optimizer if self.zero is None else None, fault.seed

@@ -14,11 +14,16 @@ from typing import Any
 import torch
 
 from parallelism.engine import StageEngine
+from recovery.errors import TransferCorrupted
 from recovery.strategies.checkfree import CheckFreeConfig, load_optimizer_moments, rebuild_stage
 from recovery.transfer import recv_named, recv_state, send_named, send_state
 from recovery.worker.lifecycle import WorkerLifecycle
 
-__all__ = ["StateTransfer"]
+__all__ = ["Corruption", "StateTransfer"]
+
+Corruption = dict[int, list[str]]
+"""What a receive found corrupted (see [Note: checked transfers] in recovery/transfer.py):
+source rank -> the tensors whose bytes differ from the sender's digests; empty: intact."""
 
 
 class StateTransfer(WorkerLifecycle):
@@ -26,7 +31,14 @@ class StateTransfer(WorkerLifecycle):
 
     Owns no state of its own: it reads and rewrites the stage's module, optimizer, engine
     and progress (``step``, ``rebuilt_at``, ``checkfree``), and the ZeRO-1 shard's mirror.
+    Every receive checks what arrived against the sender's digests and reports a
+    corruption (`Corruption`) instead of trusting it.
     """
+
+    def _take_flip(self) -> int | None:
+        """The injected in-flight bit flip for this send, if one is armed (it fires once)."""
+        flip, self.flip_in_flight = self.flip_in_flight, None
+        return flip
 
     # -- whole-state copies --------------------------------------------------------------
 
@@ -35,17 +47,29 @@ class StateTransfer(WorkerLifecycle):
         assert self.comm is not None
         extra = {"rebuilt_at": self.rebuilt_at, "checkfree": self.checkfree}
         return sum(
-            send_state(self.comm, dst, self.module, self.optimizer, self.step, extra)
+            send_state(
+                self.comm,
+                dst,
+                self.module,
+                self.optimizer,
+                self.step,
+                extra,
+                flip=self._take_flip(),
+            )
             for dst in dsts
         )
 
-    def recv_state(self, src: int) -> tuple[int, int]:
-        """Become a copy of rank ``src``'s state. Returns ``(step, bytes received)``."""
+    def recv_state(self, src: int) -> tuple[int, int, Corruption]:
+        """Become a copy of rank ``src``'s state. Returns ``(step, bytes received, what
+        arrived corrupted)``; on a corruption this worker holds nothing trustworthy."""
         assert self.comm is not None
-        self.step, received, extra = recv_state(self.comm, src, self.module, self.optimizer)
+        try:
+            self.step, received, extra = recv_state(self.comm, src, self.module, self.optimizer)
+        except TransferCorrupted as exc:
+            return self.step, 0, _corruption(exc)
         # A copy of a rebuilt stage keeps its learning-rate scale, or the replicas diverge.
         self.rebuilt_at, self.checkfree = extra.get("rebuilt_at"), extra.get("checkfree")
-        return self.step, received
+        return self.step, received, {}
 
     # -- ZeRO-1 shards (see parallelism/zero.py) -----------------------------------------
 
@@ -58,14 +82,20 @@ class StateTransfer(WorkerLifecycle):
         """Send the mirror of the ward's shard to ``dst``, the ward's replacement. Returns bytes."""
         assert self.comm is not None and self.zero is not None
         zero = self.zero
-        return send_state(self.comm, dst, zero.mirror, zero.mirror_optimizer, self.step)
+        return send_state(
+            self.comm, dst, zero.mirror, zero.mirror_optimizer, self.step, flip=self._take_flip()
+        )
 
-    def recv_shard(self, src: int) -> tuple[int, int]:
-        """Take this worker's own shard from its holder's mirror. Returns ``(step, bytes)``."""
+    def recv_shard(self, src: int) -> tuple[int, int, Corruption]:
+        """Take this worker's own shard from its holder's mirror. Returns ``(step, bytes,
+        what arrived corrupted)``."""
         assert self.comm is not None and self.zero is not None
-        self.step, received, _ = recv_state(self.comm, src, self.zero.owned, self.optimizer)
         self.zero.synced = False
-        return self.step, received
+        try:
+            self.step, received, _ = recv_state(self.comm, src, self.zero.owned, self.optimizer)
+        except TransferCorrupted as exc:
+            return self.step, 0, _corruption(exc)
+        return self.step, received, {}
 
     def seed_mirror(self, send: bool = True, receive: bool = True) -> int:
         """Send this worker's shard to its holder (``send``) and take a fresh mirror of its
@@ -97,23 +127,30 @@ class StateTransfer(WorkerLifecycle):
         norms: tuple[float | None, float | None],
         config: CheckFreeConfig,
         step: int,
-    ) -> int:
+    ) -> tuple[int, Corruption]:
         """CheckFree(+): rebuild this (lost) stage from its neighbours' states.
 
         ``sources`` maps ``"prev"`` / ``"next"`` to the ranks of live workers of stages
         ``stage-1`` / ``stage+1`` (``edge_copy`` needs only the swap partner). The weights
         come from `recovery.strategies.checkfree.rebuild_stage` -- the same function the
         in-process simulator calls -- over this worker's fresh module as the template.
-        Returns the bytes received.
+        Returns the bytes received and what arrived corrupted (then nothing is rebuilt).
         """
         assert self.comm is not None
         received: dict[str, tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]] = {}
         total = 0
+        corrupted: Corruption = {}
         for role in ("prev", "next"):
             if role in sources:
-                state, opt, nbytes = recv_named(self.comm, sources[role])
+                try:
+                    state, opt, nbytes = recv_named(self.comm, sources[role])
+                except TransferCorrupted as exc:
+                    corrupted.update(_corruption(exc))
+                    continue
                 received[role] = (state, opt)
                 total += nbytes
+        if corrupted:
+            return total, corrupted
         template = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
         prev = received.get("prev", (None, None))
         nxt = received.get("next", (None, None))
@@ -148,4 +185,8 @@ class StateTransfer(WorkerLifecycle):
         self.step = step
         self.rebuilt_at = step
         self.checkfree = config
-        return total
+        return total, {}
+
+
+def _corruption(exc: TransferCorrupted) -> Corruption:
+    return {source: list(tensors) for _, source, tensors in exc.found}
