@@ -4,7 +4,7 @@
     python scripts/bench.py recovery       # kill -> first committed step: replica_copy vs restart
     python scripts/bench.py snapshots      # failure-free cost of peer and durable snapshots
     python scripts/bench.py zero           # ZeRO-1 with mirrored shards vs unsharded AdamW
-    python scripts/bench.py fingerprint    # silent-corruption fingerprints at K = 1, 10, 50 vs off
+    python scripts/bench.py fingerprint    # silent-corruption fingerprints at K = 1, 10, 50, 100 vs off
 
 Every figure is measured by this run on this machine; nothing is copied from elsewhere.
 Needs the package installed (``pip install -e .``).
@@ -626,7 +626,7 @@ def _step_times(spec: TrainSpec, top: Topology, every: int | None, steps: int) -
 
 
 def fingerprint_cost(args: argparse.Namespace) -> None:
-    """Per-step cost of fingerprint checks at K = 1, 10, 50 against none, on two jobs."""
+    """Per-step cost of fingerprint checks at K = 1, 10, 50, 100 against none, on two jobs."""
     torch.set_num_threads(1)
     jobs = {
         f"demo {args.stages}x{args.replicas} ({args.preset} dim={args.dim})": (
@@ -635,7 +635,7 @@ def fingerprint_cost(args: argparse.Namespace) -> None:
         ),
         "data-parallel 100 MB (1x2)": (_dp_spec(), Topology(1, 2)),
     }
-    configs: dict[str, int | None] = {"off": None, "K=1": 1, "K=10": 10, "K=50": 50}
+    configs: dict[str, int | None] = {"off": None, "K=1": 1, "K=10": 10, "K=50": 50, "K=100": 100}
     warm = 2
     print(f"machine: {machine()}")
     print(f"{args.steps} steps per run, {args.repeats} interleaved repeats\n", flush=True)
@@ -707,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
     z = sub.add_parser("zero", help="ZeRO-1 with mirrored shards vs unsharded AdamW")
     z.add_argument("--repeats", type=int, default=2, help="interleaved runs per configuration")
     f = sub.add_parser(
-        "fingerprint", help="per-step cost of silent-corruption fingerprints at K = 1, 10, 50"
+        "fingerprint", help="per-step cost of silent-corruption fingerprints at K = 1, 10, 50, 100"
     )
     f.add_argument("--repeats", type=int, default=1, help="interleaved runs per configuration")
     for q in (t, sn, z, f):
