@@ -128,6 +128,8 @@ def test_a_refused_run_leaves_no_run_folder(tmp_path) -> None:  # type: ignore[n
         (["--lr", "-1"], "lr must be a positive number"),
         (["--lr", "nan"], "lr must be a positive number"),
         (["--hot-spares", "100"], "hot_spares=100 exceeds"),
+        (["--fingerprint-every", "-1"], "fingerprint_every must be an integer >= 0"),
+        (["--fingerprint-every", "5", "--replicas", "1"], "fingerprint_every=5 needs two"),
     ],
 )
 def test_bad_train_cli_arguments_make_no_folder(argv: list[str], message: str, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -105,6 +105,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds without progress that count as a hang",
     )
     g.add_argument(
+        "--fingerprint-every",
+        type=int,
+        default=0,
+        help="every K steps compare the replicas' state digests to find silent data "
+        "corruption (0: off; needs 2+ replicas; see README 'Silent data corruption')",
+    )
+    g.add_argument(
         "--approximate",
         choices=["none", "checkfree", "checkfree+"],
         default="none",
@@ -217,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         strategy=args.strategy,
         hot_spares=args.hot_spares,
         hang_timeout_s=args.hang_timeout,
+        fingerprint_every=args.fingerprint_every or None,
         checkpoint_every=args.checkpoint_every,
         approximate=None if args.approximate == "none" else args.approximate,
         exact_only=args.exact_only,
