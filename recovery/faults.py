@@ -257,7 +257,6 @@ class FailureSchedule:
                             steps,
                             float(fields.pop("rate")),
                             seed=int(fields.pop("seed", "0")),
-                            in_flight=_flag("in_flight", fields.pop("in_flight", "0")),
                         )
                     )
                 elif kind in ("kill", "hang", "nan"):
