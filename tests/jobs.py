@@ -10,7 +10,7 @@ for tests below the controller (`StageComm`, a worker's collectives).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from parallelism import Topology
@@ -86,3 +86,27 @@ def in_threads(fns: list[Callable[[], Any]], timeout_s: float = 60.0) -> list[An
         t.join(timeout_s)
         assert not t.is_alive(), "a worker thread did not finish in time"
     return out
+
+
+def ray_cluster(cpus_per_node: int, worker_nodes: int = 2) -> Iterator[tuple[Any, list[Any]]]:
+    """A fixture body: a multi-node ``ray.cluster_utils.Cluster`` on loopback (a head and
+    ``worker_nodes`` nodes of ``cpus_per_node`` CPUs each), this process connected to it;
+    yields the cluster and its worker nodes, and tears everything down after."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from recovery.pool import POOL
+    from recovery.ray_env import _loopback_only
+
+    if ray.is_initialized():  # these tests need their own multi-node cluster
+        POOL.clear()
+        ray.shutdown()
+    _loopback_only()
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node})
+    workers = [c.add_node(num_cpus=cpus_per_node) for _ in range(worker_nodes)]
+    c.wait_for_nodes()
+    ray.init(address=c.address)
+    yield c, workers
+    POOL.clear()
+    ray.shutdown()
+    c.shutdown()

@@ -4,14 +4,12 @@ losing a whole node leaves a live replica of every stage and training stays exac
 from __future__ import annotations
 
 import pytest
-import ray
 import torch
-from ray.cluster_utils import Cluster
 
 from parallelism import Topology
 from recovery import RecoveryPolicy, Trainer
-from recovery.pool import POOL
 from recovery.runtime import Controller, ControllerConfig, Phase
+from tests.jobs import ray_cluster
 from tests.workloads import mlp_spec
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
@@ -19,20 +17,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 @pytest.fixture
 def cluster():  # type: ignore[no-untyped-def]
-    if ray.is_initialized():  # this test needs its own multi-node cluster
-        POOL.clear()
-        ray.shutdown()
-    from recovery.ray_env import _loopback_only
-
-    _loopback_only()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    workers = [c.add_node(num_cpus=1) for _ in range(2)]
-    c.wait_for_nodes()
-    ray.init(address=c.address)
-    yield c, workers
-    POOL.clear()
-    ray.shutdown()
-    c.shutdown()
+    yield from ray_cluster(cpus_per_node=1)
 
 
 def test_losing_a_node_keeps_training_exact(cluster) -> None:  # type: ignore[no-untyped-def]

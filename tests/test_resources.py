@@ -8,7 +8,6 @@ import math
 import time
 
 import pytest
-import ray
 
 from parallelism import Topology
 from recovery import RecoveryPolicy, Trainer
@@ -16,6 +15,7 @@ from recovery.errors import PlacementFailed
 from recovery.pool import POOL
 from recovery.resources import actor_options, fits, worker_ask
 from recovery.runtime import Controller, ControllerConfig, Phase
+from tests.jobs import ray_cluster
 from tests.workloads import mlp_spec
 
 # -- the ask, pure --------------------------------------------------------------------------
@@ -93,22 +93,7 @@ def test_check_capacity_counts_whole_workers_per_node(monkeypatch: pytest.Monkey
 @pytest.fixture(scope="module")
 def full_cluster():  # type: ignore[no-untyped-def]
     """Three nodes of 2 CPUs: a 2x3 job asking {"CPU": 1} per worker fills every node."""
-    from ray.cluster_utils import Cluster
-
-    from recovery.ray_env import _loopback_only
-
-    if ray.is_initialized():  # these tests need their own multi-node cluster
-        POOL.clear()
-        ray.shutdown()
-    _loopback_only()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    workers = [c.add_node(num_cpus=2) for _ in range(2)]
-    c.wait_for_nodes()
-    ray.init(address=c.address)
-    yield c, workers
-    POOL.clear()
-    ray.shutdown()
-    c.shutdown()
+    yield from ray_cluster(cpus_per_node=2)
 
 
 @pytest.fixture
