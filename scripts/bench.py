@@ -5,6 +5,7 @@
     python scripts/bench.py snapshots      # failure-free cost of peer and durable snapshots
     python scripts/bench.py zero           # ZeRO-1 with mirrored shards vs unsharded AdamW
     python scripts/bench.py fingerprint    # silent-corruption fingerprints at K = 1, 10, 50, 100 vs off
+    python scripts/bench.py peers          # 1x2 data-parallel job beside torchrun + DDP and torchft
 
 Every figure is measured by this run on this machine; nothing is copied from elsewhere.
 Needs the package installed (``pip install -e .``).
@@ -16,11 +17,13 @@ import argparse
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import peers  # scripts/peers.py: this script's folder is on sys.path when it runs
 import torch
 
 from parallelism import Topology
@@ -752,8 +755,19 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="write the measured costs (first preset) here, for the simulator",
     )
+    pe = sub.add_parser(
+        "peers", help="steady step and kill -> training again beside torchrun + DDP and torchft"
+    )
+    peers.add_arguments(pe)
     args = p.parse_args(argv)
     start = time.perf_counter()
+    if args.command == "peers":
+        # Its own process: Ray pickles the workload by value only from a __main__ script,
+        # and it re-runs itself inside a private network namespace (see scripts/peers.py).
+        rest = list(sys.argv[2:] if argv is None else argv[1:])
+        return subprocess.run(
+            [sys.executable, str(Path(__file__).with_name("peers.py")), *rest]
+        ).returncode
     commands = {
         "throughput": throughput,
         "recovery": recovery,
