@@ -21,7 +21,8 @@ at once, and the controller tells all others to close as soon as one fails, so e
 survivor leaves the failed step within milliseconds of the first error instead of when the
 failure reaches it through the schedule. Timeouts (``timeout``) remain the backstop for
 hangs, which the controller handles by killing the hung worker. NCCL needs none of this:
-``ProcessGroupNCCL.abort()`` aborts its communicators.
+``ProcessGroupNCCL.abort()`` aborts its communicators (all of a worker's at once, see
+[Note: NCCL groups that abort]).
 """
 
 from __future__ import annotations
@@ -98,6 +99,10 @@ class Rendezvous:
     port: int
     prefix: str
     timeout_s: float = 60.0
+    """Joining: the store's timeout, and so how long forming the groups may take."""
+    collective_s: float | None = None
+    """The process groups' own timeout (c10d's), a backstop above the controller's hang
+    detection (see docs/timeouts.md); None: ``timeout_s``."""
 
 
 def listen_socket(host: str) -> socket.socket:
@@ -202,6 +207,89 @@ class _Transport:
         self._sockets = {}
 
 
+# [Note: NCCL groups that abort]
+# By default ProcessGroupNCCL's watchdog turns a timed-out or failed collective into a
+# SIGABRT of the whole process (TORCH_NCCL_ASYNC_ERROR_HANDLING=3), and its heartbeat
+# monitor kills a process whose watchdog is stuck (TORCH_NCCL_ENABLE_MONITORING=1): a
+# survivor blocked on a dead or hung peer would die instead of being told to abort. Here
+# the controller decides (docs/timeouts.md): `NCCL_ENV` turns both off before any NCCL
+# group is built; the groups' own timeout (``Rendezvous.collective_s``) is set above the
+# controller's hang timeout, so it never fires first; communicators are non-blocking
+# (``config.blocking = False``: an abort returns instead of waiting on a stuck kernel) and
+# initialised eagerly on the worker's GPU (``device_id``: a failed join is seen while
+# joining, not at the first collective); and `abort_groups` aborts all of a worker's
+# communicators inside one NCCL group call, since aborting them one after another can
+# deadlock (pytorch#119797). Every NCCL-only attribute is looked up with a guard, so an
+# older torch builds what it can. None of this has run on a GPU yet (scripts/gpu_check.py).
+
+NCCL_ENV: dict[str, str] = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",  # the watchdog neither aborts nor kills
+    "TORCH_NCCL_ENABLE_MONITORING": "0",  # no heartbeat monitor to kill a stuck watchdog
+    "TORCH_NCCL_BLOCKING_WAIT": "0",  # work.wait() is a stream wait; progress is polled
+}
+"""The environment an NCCL worker builds its groups in (see [Note: NCCL groups that abort])."""
+
+
+@dataclass(frozen=True)
+class NcclSettings:
+    """How this worker's NCCL process groups are built (see [Note: NCCL groups that abort])."""
+
+    timeout: datetime.timedelta
+    """c10d's own timeout: above the controller's hang timeout."""
+    device: torch.device
+    """The worker's GPU: communicators are created eagerly on it."""
+    blocking: bool = False
+    """Non-blocking communicators, so that an abort does not wait on a stuck kernel."""
+
+
+def nccl_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """Set `NCCL_ENV` in ``environ`` (before any NCCL group is built: torch reads it then);
+    returns the values it replaced, by name (absent ones as ``""``)."""
+    replaced = {k: environ.get(k, "") for k, v in NCCL_ENV.items() if environ.get(k) != v}
+    environ.update(NCCL_ENV)
+    return replaced
+
+
+def nccl_options(settings: NcclSettings, opts: Any) -> Any:
+    """Fill a ``ProcessGroupNCCL.Options`` (or a stand-in in tests) from ``settings``;
+    attributes this torch's build lacks are skipped. Returns ``opts``."""
+    opts._timeout = settings.timeout
+    config = getattr(opts, "config", None)
+    if config is not None and hasattr(config, "blocking"):
+        config.blocking = int(settings.blocking)
+    return opts
+
+
+def _connect_eagerly(group: _Group, device: torch.device) -> None:
+    """Create ``group``'s communicator on ``device`` now (what ``init_process_group(device_id=)``
+    does), where this torch can."""
+    if hasattr(group, "eager_connect_single_device"):
+        group.eager_connect_single_device(device)
+
+
+def abort_groups(groups: list[_Group]) -> None:
+    """Abort every one of a worker's process groups (see [Note: tearing down on failure]).
+
+    NCCL groups are aborted together, inside one ``ncclGroupStart``/``ncclGroupEnd``
+    (aborting communicators one after another can deadlock, pytorch#119797); others one by
+    one. A group that refuses to abort (already broken) is skipped: its peers are told by
+    the controller, and a Gloo group's connections are cut anyway.
+    """
+    nccl = [g for g in groups if hasattr(g, "_group_start")]
+    rest = [g for g in groups if not hasattr(g, "_group_start")]
+    if nccl:
+        with contextlib.suppress(Exception):
+            nccl[0]._group_start()
+        for group in nccl:
+            with contextlib.suppress(Exception):
+                group.abort()
+        with contextlib.suppress(Exception):
+            nccl[0]._group_end()
+    for group in rest:
+        with contextlib.suppress(Exception):
+            group.abort()
+
+
 def _make_group(
     backend: str,
     store: dist.Store,
@@ -209,6 +297,7 @@ def _make_group(
     size: int,
     bind_host: str,
     timeout: datetime.timedelta,
+    device: torch.device | None = None,
 ) -> _Group:
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
@@ -216,9 +305,13 @@ def _make_group(
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
         return dist.ProcessGroupGloo(store, rank, size, opts)
     if backend == "nccl":
-        opts_nccl = dist.ProcessGroupNCCL.Options()
-        opts_nccl._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, opts_nccl)
+        gpu = device or torch.device("cuda", torch.cuda.current_device())
+        settings = NcclSettings(timeout=timeout, device=gpu)
+        nccl_env(os.environ)
+        opts_nccl = nccl_options(settings, dist.ProcessGroupNCCL.Options())
+        group = dist.ProcessGroupNCCL(store, rank, size, opts_nccl)
+        _connect_eagerly(group, settings.device)
+        return group
     raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
 
 
@@ -253,6 +346,11 @@ class StageComm:
         self.device = device_for(backend)
         timeout = datetime.timedelta(seconds=rendezvous.timeout_s)
         base = dist.TCPStore(rendezvous.host, rendezvous.port, None, False, timeout)
+        collective = datetime.timedelta(
+            seconds=rendezvous.collective_s
+            if rendezvous.collective_s is not None
+            else rendezvous.timeout_s
+        )
         self._store: dist.Store | None = dist.PrefixStore(rendezvous.prefix, base)
         # Connected: from now on, dropping the generation's store fails our waits at once
         # (the controller waits for this key before it drops a formation that cannot finish).
@@ -260,13 +358,19 @@ class StageComm:
         before = _socket_inodes()
         world_store = dist.PrefixStore("world", self._store)
         self._world: _Group | None = _make_group(
-            backend, world_store, rank, topology.world_size, bind_host, timeout
+            backend, world_store, rank, topology.world_size, bind_host, collective, self.device
         )
         self._stage: _Group | None = None
         if topology.replicas > 1:
             stage_store = dist.PrefixStore(f"stage{self.worker.stage}", self._store)
             self._stage = _make_group(
-                backend, stage_store, self.worker.replica, topology.replicas, bind_host, timeout
+                backend,
+                stage_store,
+                self.worker.replica,
+                topology.replicas,
+                bind_host,
+                collective,
+                self.device,
             )
         # The workers that hold bit-identical replicas of some parameters (CheckFree+'s
         # (de)embedding on stages 0 and 1, or S-2 and S-1), every replica of both stages.
@@ -274,7 +378,7 @@ class StageComm:
         if tied:
             tied_store = dist.PrefixStore("tied" + "_".join(map(str, tied)), self._store)
             self._tied = _make_group(
-                backend, tied_store, tied.index(rank), len(tied), bind_host, timeout
+                backend, tied_store, tied.index(rank), len(tied), bind_host, collective, self.device
             )
         # A second, always-Gloo world group for traffic that runs beside the step on another
         # thread (peer snapshots in host memory): it never competes with the step's ordering.
@@ -282,7 +386,7 @@ class StageComm:
         if side_group:
             side_store = dist.PrefixStore("side", self._store)
             self._side = _make_group(
-                "gloo", side_store, rank, topology.world_size, bind_host, timeout
+                "gloo", side_store, rank, topology.world_size, bind_host, collective
             )
         self._transport = (
             _Transport(before, self._store, rank, topology.world_size)
@@ -511,10 +615,7 @@ class StageComm:
         self._tied = None
         self._side = None
         self._store = None
-        for group in groups:
-            # An already-broken group may refuse to abort; the sockets are down anyway.
-            with contextlib.suppress(Exception):
-                group.abort()
+        abort_groups(groups)
         # Destroying a Gloo group joins its threads, which can take a second on a busy
         # machine; nobody needs to wait for that.
         threading.Thread(target=groups.clear, name="drop-process-groups", daemon=True).start()

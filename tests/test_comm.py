@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import datetime
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import torch
 
 from parallelism import Topology
-from parallelism.comm import Rendezvous, StageComm, host_store
+from parallelism.comm import (
+    NcclSettings,
+    Rendezvous,
+    StageComm,
+    abort_groups,
+    host_store,
+    nccl_env,
+    nccl_options,
+)
 
 
 def _pair(top: Topology) -> list[StageComm]:
@@ -54,3 +64,64 @@ def test_a_receive_waits_for_a_slow_sender_and_a_collective_for_a_slow_peer() ->
     assert torch.equal(mine, torch.full((4,), 2.0))
     for comm in recv_comms + reduce_comms:
         comm.close()
+
+
+# -- NCCL groups that abort (checked on CPU with stand-ins; see [Note: NCCL groups that abort])
+
+
+def test_the_nccl_environment_turns_the_watchdogs_killing_off() -> None:
+    environ = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "OTHER": "x"}
+    replaced = nccl_env(environ)
+    assert environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+    assert environ["TORCH_NCCL_ENABLE_MONITORING"] == "0"
+    assert environ["TORCH_NCCL_BLOCKING_WAIT"] == "0"
+    assert environ["OTHER"] == "x"
+    assert replaced == {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+        "TORCH_NCCL_ENABLE_MONITORING": "",
+        "TORCH_NCCL_BLOCKING_WAIT": "",
+    }
+    assert nccl_env(environ) == {}  # idempotent
+
+
+def test_nccl_options_are_non_blocking_with_the_backstop_timeout() -> None:
+    settings = NcclSettings(timeout=datetime.timedelta(seconds=600), device=torch.device("cpu"))
+    opts = nccl_options(settings, SimpleNamespace(config=SimpleNamespace(blocking=-1)))
+    assert opts._timeout == datetime.timedelta(seconds=600)
+    assert opts.config.blocking == 0
+    # A torch without ``config`` (or without ``blocking``) still gets its timeout.
+    assert nccl_options(settings, SimpleNamespace())._timeout == settings.timeout
+    assert not hasattr(
+        nccl_options(settings, SimpleNamespace(config=SimpleNamespace())).config, "blocking"
+    )
+
+
+class _FakeGroup:
+    def __init__(self, name: str, log: list[str], nccl: bool, broken: bool = False) -> None:
+        self.name, self.log, self.broken = name, log, broken
+        if nccl:
+            self._group_start = lambda: log.append("group_start")
+            self._group_end = lambda: log.append("group_end")
+
+    def abort(self) -> None:
+        if self.broken:
+            raise RuntimeError("already broken")
+        self.log.append(f"abort {self.name}")
+
+
+def test_a_workers_nccl_groups_are_aborted_together_in_one_group_call() -> None:
+    log: list[str] = []
+    groups = [
+        _FakeGroup("world", log, nccl=True),
+        _FakeGroup("stage", log, nccl=True, broken=True),
+        _FakeGroup("tied", log, nccl=True),
+        _FakeGroup("side", log, nccl=False),
+    ]
+    abort_groups(groups)  # type: ignore[arg-type]
+    assert log == ["group_start", "abort world", "abort tied", "group_end", "abort side"]
+
+
+def test_gloo_groups_are_aborted_one_by_one() -> None:
+    log: list[str] = []
+    abort_groups([_FakeGroup("a", log, nccl=False), _FakeGroup("b", log, nccl=False)])  # type: ignore[list-item]
+    assert log == ["abort a", "abort b"]
