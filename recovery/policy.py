@@ -146,8 +146,15 @@ class Timeouts:
     """Every wait the runtime makes, by what it waits for (a `timedelta`, or seconds as a
     number: stored as a `timedelta`).
 
+    They form one hierarchy (docs/timeouts.md): ``replace < start`` (both run from the
+    moment a worker is asked for, so a worker that cannot be placed is reported before the
+    start deadline hides why) and ``hang, transfer < collective`` (the backend's own
+    timeout is only a backstop: the controller, which knows which worker is at fault,
+    always decides first).
+
     Raises:
-        ValueError: for a wait that is not a positive, finite duration.
+        ValueError: for a wait that is not a positive, finite duration, or two waits out
+            of order (naming both).
     """
 
     start: timedelta = timedelta(seconds=300)
@@ -169,13 +176,50 @@ class Timeouts:
     """Write or load a checkpoint or a durable snapshot."""
     control: timedelta = timedelta(seconds=60)
     """A survivor's answer to a bookkeeping call (leave the generation, assess a mirror)."""
+    collective: timedelta | None = None
+    """The process groups' own timeout (c10d's: Gloo's per-operation timeout, NCCL's
+    watchdog), a backstop only: it must exceed ``hang`` and ``transfer``, so that a worker
+    blocked on a stuck peer is freed by the controller (which kills the culprit and aborts
+    the victims' groups), never by its backend. None: twice the longer of the two
+    (`backend_timeout`)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if value is None and f.name == "collective":
+                continue
             raw = value.total_seconds() if isinstance(value, timedelta) else value
             check_number(_name(Timeouts, f.name), raw, positive=True)
             object.__setattr__(self, f.name, timedelta(seconds=float(raw)))
+        for shorter, longer in _TIMEOUT_ORDER:
+            low, high = getattr(self, shorter), getattr(self, longer)
+            if high is not None and not low < high:
+                raise ValueError(
+                    f"{_name(Timeouts, shorter)} ({low.total_seconds():g} s) must be shorter "
+                    f"than {_name(Timeouts, longer)} ({high.total_seconds():g} s): "
+                    f"{_ORDER_WHY[shorter, longer]} (see docs/timeouts.md)"
+                )
+
+    @property
+    def backend_timeout(self) -> timedelta:
+        """The timeout the process groups are built with: ``collective``, or twice the
+        longer of ``hang`` and ``transfer``."""
+        if self.collective is not None:
+            return self.collective
+        return 2 * max(self.hang, self.transfer)
+
+
+_TIMEOUT_ORDER = (("replace", "start"), ("hang", "collective"), ("transfer", "collective"))
+"""Pairs ``(shorter, longer)`` of `Timeouts` that must be in this order (docs/timeouts.md)."""
+_ORDER_WHY = {
+    ("replace", "start"): "both run from when a worker is asked for, and a worker Ray "
+    "cannot place must be given up on (PlacementFailed, naming the node) before the start "
+    "deadline ends the wait without saying why",
+    ("hang", "collective"): "the controller must find a hung worker (and free its blocked "
+    "peers) before the backend's own timeout fails or, under NCCL, kills those peers",
+    ("transfer", "collective"): "a state transfer the controller still waits for must not "
+    "be cut short by the backend's own timeout",
+}
 
 
 FLAT_NAMES: dict[str, str] = {
@@ -192,6 +236,7 @@ FLAT_NAMES: dict[str, str] = {
     "checkpoint_dir": "baseline.checkpoint_dir",
     "hang_timeout_s": "timeouts.hang",
     "replace_timeout_s": "timeouts.replace",
+    "collective_timeout_s": "timeouts.collective",
 }
 """The flat keyword arguments `RecoveryPolicy` still accepts, and the home of each."""
 

@@ -206,7 +206,13 @@ class Membership:
         self.generation += 1
         timeout = self.policy.timeouts.join
         store: Any = host_store(self.host)
-        rendezvous = Rendezvous(self.host, store.port, f"gen{self.generation}", seconds(timeout))
+        rendezvous = Rendezvous(
+            self.host,
+            store.port,
+            f"gen{self.generation}",
+            seconds(timeout),
+            collective_s=seconds(self.policy.timeouts.backend_timeout),
+        )
         peer = bool(self.policy.snapshots.peer_every) and self.topology.world_size > 1
         mirrors = self.layout.mirrors_on_ring and self.topology.world_size > 1
         ring = buddies(self.topology, self.assignment) if peer or mirrors else {}
