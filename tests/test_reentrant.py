@@ -146,3 +146,22 @@ def test_a_recovery_that_keeps_failing_gives_up_with_a_recovery_error() -> None:
     assert isinstance(controller.error, RecoveryError)
     assert f"{MAX_INTERRUPTIONS} failures during the recovery" in str(controller.error)
     assert "replacing" in str(controller.error)
+
+
+@pytest.mark.parametrize("victim", [TOP.rank(0, 0), TOP.rank(1, 2)], ids=["(0,0)", "(1,2)"])
+def test_a_death_while_taking_peer_snapshots_is_recovered_exactly(oracle, victim: int) -> None:  # type: ignore[no-untyped-def]
+    """A worker killed while the job takes its peer snapshots after a commit (found by
+    scripts/chaos.py): the step stays committed, the worker is rebuilt, and the job ends
+    bit-identical -- before, `fit` raised RecoveryInterrupted ("could not take peer
+    snapshots") and the job died."""
+    controller, group = make(mlp_spec(), TOP, policy=RecoveryPolicy(snapshot_every=2), nodes=3)
+    group.chaos = once(victim, "take_snapshot")
+    drive(controller)
+    assert controller.phase is Phase.FINISHED, controller.error
+    (event,) = controller.events
+    assert event.step == 2 and TOP.worker(victim) in {
+        TOP.worker(TOP.rank(s, r)) for s, r in event.lost
+    }
+    assert event.strategy == "replica_copy"
+    assert [r.step for r in controller.records] == list(range(5))
+    assert_equal_states(controller.final_states, oracle)  # type: ignore[attr-defined]

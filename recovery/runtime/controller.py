@@ -67,7 +67,7 @@ from recovery.planner import RecoveryPlan, plan
 from recovery.policy import RecoveryPolicy
 from recovery.runtime.detection import StepOutcome, await_step, failure_of, non_finite
 from recovery.runtime.executor import execute_or_fall_back
-from recovery.runtime.group import WorkerGroup
+from recovery.runtime.group import WorkerGroup, WorkerLost
 from recovery.runtime.injection import Armed, InjectedFaults, fault_time
 from recovery.runtime.layouts import StateLayout, layout_for
 from recovery.runtime.ledger import RedundancyLedger
@@ -400,7 +400,14 @@ class Controller:
             return
         self.faults.spend(faults)
         self._comm_errors = 0
-        self.persistence.after_commit(self.step)
+        try:
+            self.persistence.after_commit(self.step)
+        except RecoveryInterrupted as exc:  # lost while snapshotting: the step is committed
+            self.records.append(record)
+            self.on_step(record)
+            lost = {rank: WorkerLost(rank, str(exc)) for rank in exc.lost or exc.broken}
+            self._fail(self.step, StepOutcome(lost=lost), struck_at, {})
+            return
         if self.config.eval_every and (
             self.step % self.config.eval_every == 0 or self.step == self.target_steps
         ):
