@@ -13,9 +13,11 @@ Connecting to an existing cluster changes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -51,6 +53,33 @@ def connect(*, num_cpus: int | None = None, log_to_driver: bool = False) -> bool
         configure_logging=True,
     )
     return True
+
+
+@contextlib.contextmanager
+def local_cluster(cpus_per_node: int, worker_nodes: int = 2) -> Iterator[tuple[Any, list[Any]]]:
+    """A multi-node ``ray.cluster_utils.Cluster`` on loopback -- a head and ``worker_nodes``
+    nodes of ``cpus_per_node`` CPUs each, every one a real raylet that can be removed
+    (``cluster.remove_node``) and added -- with this process connected to it; yields the
+    cluster and its worker nodes and tears everything down after. A Ray this process was
+    already connected to is shut down first. For tests and scripts/chaos.py."""
+    from ray.cluster_utils import Cluster
+
+    from recovery.pool import POOL
+
+    if ray.is_initialized():
+        POOL.clear()
+        ray.shutdown()
+    _loopback_only()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node})
+    try:
+        workers = [cluster.add_node(num_cpus=cpus_per_node) for _ in range(worker_nodes)]
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address)
+        yield cluster, workers
+    finally:
+        POOL.clear()
+        ray.shutdown()
+        cluster.shutdown()
 
 
 def _loopback_only() -> None:

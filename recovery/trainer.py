@@ -24,6 +24,7 @@ from recovery.resources import worker_ask
 from recovery.rundir import RunDir
 from recovery.runtime import Controller, ControllerConfig, StepRecord
 from recovery.spec import TrainSpec
+from recovery.worker import WorkerInfo
 
 
 @dataclass
@@ -170,6 +171,8 @@ class Trainer:
         self.run_dir = RunDir(run_dir) if run_dir is not None else None
         self.progress = progress
         self.collect_states = collect_states
+        self._training: Controller | None = None
+        """The job while `fit` trains (between the first generation and the last commit)."""
         self.config = ControllerConfig(
             backend=backend,
             threads_per_worker=threads_per_worker,
@@ -224,11 +227,14 @@ class Trainer:
                 run_dir.write_json("config.json", self._describe(steps))
             if controller.resumed_from is not None:
                 self._note_resume(controller, bar)
+            self._training = controller
             controller.run(steps)
+            self._training = None
             wall_s = time.perf_counter() - controller.started_at
             states = controller.states() if self.collect_states else {}
             mirrors = controller.mirror_costs()
         finally:
+            self._training = None
             bar.close()
             controller.shutdown()
         metrics = [r.to_dict() for r in controller.records]
@@ -252,6 +258,29 @@ class Trainer:
                 title=self._title(),
             )
         return result
+
+    def live_workers(self) -> dict[tuple[int, int], WorkerInfo]:
+        """Where each of the job's workers runs (pid, node), by (stage, replica), while `fit`
+        trains -- for tools that fail workers from outside the library (scripts/chaos.py),
+        called from another thread. A replacement appears once its process has started; a
+        worker the controller has not yet noticed is dead is still listed. Empty before the
+        first generation has formed and once the last step has committed (the final
+        states are then being fetched, and a worker lost then is not recovered)."""
+        controller = self._training
+        if controller is None:
+            return {}
+        for _ in range(10):  # the controller thread may be replacing workers meanwhile
+            try:
+                infos = controller.infos()
+            except (KeyError, RuntimeError):
+                time.sleep(0.001)
+                continue
+            return {
+                (w.stage, w.replica): info
+                for rank, info in infos.items()
+                for w in [self.topology.worker(rank)]
+            }
+        return {}
 
     def _note_resume(self, controller: Controller, bar: _ProgressBar) -> None:
         """After a driver death: keep the earlier run's record and log the rollback."""

@@ -89,24 +89,9 @@ def in_threads(fns: list[Callable[[], Any]], timeout_s: float = 60.0) -> list[An
 
 
 def ray_cluster(cpus_per_node: int, worker_nodes: int = 2) -> Iterator[tuple[Any, list[Any]]]:
-    """A fixture body: a multi-node ``ray.cluster_utils.Cluster`` on loopback (a head and
-    ``worker_nodes`` nodes of ``cpus_per_node`` CPUs each), this process connected to it;
-    yields the cluster and its worker nodes, and tears everything down after."""
-    import ray
-    from ray.cluster_utils import Cluster
+    """A fixture body: `recovery.ray_env.local_cluster` (a head and ``worker_nodes`` nodes of
+    ``cpus_per_node`` CPUs each, on loopback, this process connected), torn down after."""
+    from recovery.ray_env import local_cluster
 
-    from recovery.pool import POOL
-    from recovery.ray_env import _loopback_only
-
-    if ray.is_initialized():  # these tests need their own multi-node cluster
-        POOL.clear()
-        ray.shutdown()
-    _loopback_only()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node})
-    workers = [c.add_node(num_cpus=cpus_per_node) for _ in range(worker_nodes)]
-    c.wait_for_nodes()
-    ray.init(address=c.address)
-    yield c, workers
-    POOL.clear()
-    ray.shutdown()
-    c.shutdown()
+    with local_cluster(cpus_per_node, worker_nodes) as (cluster, workers):
+        yield cluster, workers
