@@ -70,6 +70,28 @@ _MAX_TUPLE = 64  # tensors in one activation
 _MAX_ELEMENTS = 1 << 36  # elements in one activation tensor (256 GiB of float32)
 
 
+def empty_received(
+    shape: list[int] | tuple[int, ...], dtype: torch.dtype, device: torch.device, what: str
+) -> torch.Tensor:
+    """An uninitialised tensor for what a received header announces (already checked
+    against its bounds).
+
+    Raises:
+        GarbledMessage: if it cannot be allocated: in bounds is not the same as possible
+            (a garbled header can still ask for hundreds of GiB), and a failed allocation
+            would otherwise read as a bug in user code and end the job.
+    """
+    try:
+        return torch.empty(shape, dtype=dtype, device=device)
+    except (RuntimeError, MemoryError) as err:
+        first = str(err).strip().splitlines()
+        raise GarbledMessage(
+            f"{what} announces a {dtype} tensor of shape {list(shape)} that cannot be "
+            f"allocated on {device} ({first[-1][:200] if first else type(err).__name__}): a "
+            "garbled header, or a message larger than this device's free memory"
+        ) from None
+
+
 def default_backend() -> str:
     """``nccl`` when CUDA is available, else ``gloo``."""
     return "nccl" if torch.cuda.is_available() else "gloo"
@@ -514,12 +536,14 @@ class StageComm:
         """
         tensors: list[torch.Tensor] = []
         count = 1
+        first_size: int | None = None
         while len(tensors) < count:
             header = self.recv(torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device), src)
             meta = header.tolist()
             ndim, code, size, grad = meta[:4]
             shape = meta[4 : 4 + ndim]
             # Checked before anything is allocated: after an abort the buffer holds garbage.
+            # Every header of a tuple announces the same tuple size (the first one's).
             if not (
                 0 <= ndim <= _MAX_DIMS
                 and 0 <= code < len(_DTYPES)
@@ -527,10 +551,15 @@ class StageComm:
                 and grad in (0, 1)
                 and all(0 <= d <= _MAX_ELEMENTS for d in shape)
                 and math.prod(shape) <= _MAX_ELEMENTS
+                and (first_size is None or size == first_size)
             ):
                 raise GarbledMessage(f"an activation header {meta} from rank {src}")
+            first_size = size
             dtype = _DTYPES[code]
-            tensor = self.recv(torch.empty(shape, dtype=dtype, device=self.device), src)
+            buffer = empty_received(
+                shape, dtype, self.device, f"an activation header from rank {src}"
+            )
+            tensor = self.recv(buffer, src)
             tensors.append(tensor.requires_grad_(bool(grad)))
             count = max(1, int(size))
         return tuple(tensors) if int(size) else tensors[0]

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallelism.comm import GarbledMessage, StageComm
+from parallelism.comm import GarbledMessage, StageComm, empty_received
 from recovery.errors import TransferCorrupted
 from recovery.fingerprint import digest, flip_one
 from recovery.wire import recv_header, send_header, tensor_spec
@@ -276,6 +276,10 @@ def recv_named(
 
 
 def _empty(shape: object, dtype: object, device: torch.device) -> torch.Tensor:
-    """An uninitialised tensor of a received shape and dtype, checked first."""
+    """An uninitialised tensor of a received shape and dtype, checked first.
+
+    Raises:
+        GarbledMessage: for a shape or dtype out of bounds, or one that cannot be allocated.
+    """
     size, kind = tensor_spec(shape, dtype)
-    return torch.empty(size, dtype=kind, device=device)
+    return empty_received(size, kind, device, "a state description")

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from parallelism import Topology
 from parallelism.comm import GarbledMessage, StageComm
 from recovery.snapshots.packing import PackedState, pack_state, unpack_state
-from recovery.transfer import recv_state, send_state
+from recovery.transfer import recv_named, recv_state, send_state
 from recovery.wire import decode, encode, tensor_spec
 from recovery.worker.reports import is_comm_error
 from tests.jobs import in_threads
@@ -184,6 +184,62 @@ def test_a_state_transfer_round_trips_over_gloo() -> None:
         for a, b in zip(module.state_dict().values(), other.state_dict().values(), strict=True):
             assert torch.equal(a, b)
         assert other_opt.state_dict()["param_groups"] == optimizer.state_dict()["param_groups"]
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def test_an_activation_header_whose_tuple_size_changes_midway_is_garbled() -> None:
+    """The headers of one tuple all announce its size; one that disagrees would make the
+    receiver stop early (dropping tensors) or read on into the next message."""
+    comms = _pair(Topology(2, 1))
+    first = torch.tensor([1, 0, 3, 0, 2, 0, 0, 0, 0, 0, 0, 0])  # 1 of a 3-tuple: 2 floats
+    second = torch.tensor([1, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0])  # ... then "a single tensor"
+    try:
+        _, got = in_threads(
+            [
+                lambda: _garbage(comms[0], first, torch.zeros(2), second, torch.zeros(2)),
+                lambda: comms[1].recv_activation(0),
+            ]
+        )
+        assert isinstance(got, GarbledMessage) and "activation header" in str(got)
+        assert is_comm_error(got)
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def test_a_header_in_bounds_that_cannot_be_allocated_is_a_communication_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In bounds is not possible: 2^36 float64 elements (512 GiB) pass the activation
+    header's bounds, and a failed allocation must not read as a bug in user code. The
+    allocator is a stand-in that refuses anything over 1 GiB, as a real one would."""
+    real_empty = torch.empty
+
+    def empty(*size: object, **kwargs: object) -> torch.Tensor:
+        shape = size[0] if len(size) == 1 and not isinstance(size[0], int) else size
+        dtype = kwargs.get("dtype", torch.float32)
+        if math.prod(shape) * real_empty((), dtype=dtype).element_size() > 1 << 30:  # type: ignore[arg-type]
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate")
+        return real_empty(*size, **kwargs)  # type: ignore[call-overload, no-any-return]
+
+    comms = _pair(Topology(2, 1))
+    monkeypatch.setattr(torch, "empty", empty)
+    header = torch.tensor([2, 3, 0, 0, 1 << 18, 1 << 18, 0, 0, 0, 0, 0, 0])  # float64
+    blob = encode({"model": [["w", [1 << 20, 1 << 18], "float32"]], "moments": {}})
+    state_header = [torch.tensor([len(blob)]), torch.frombuffer(bytearray(blob), dtype=torch.uint8)]
+    try:
+        _, got = in_threads(
+            [lambda: _garbage(comms[0], header), lambda: comms[1].recv_activation(0)]
+        )
+        assert isinstance(got, GarbledMessage) and "cannot be allocated" in str(got)
+        assert is_comm_error(got)
+        _, got = in_threads(
+            [lambda: _garbage(comms[0], *state_header), lambda: recv_named(comms[1], 0)]
+        )
+        assert isinstance(got, GarbledMessage) and "cannot be allocated" in str(got)
+        assert is_comm_error(got)
     finally:
         for comm in comms:
             comm.close()
