@@ -60,7 +60,7 @@ def kill_schedule(
     seed: int,
     mean_interval_s: float,
     burst_prob: float = 0.0,
-    burst_gap_s: tuple[float, float] = (0.1, 0.6),
+    burst_gap_s: tuple[float, float] = (0.05, 0.5),
 ) -> Iterator[PlannedKill]:
     """An endless, reproducible schedule of kills: the gap from one kill (or from its burst)
     to the next is exponential with mean ``mean_interval_s``; after each such kill, with
