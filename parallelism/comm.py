@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from parallelism.progress import Progress, progress_for
 from parallelism.topology import Topology
 
 BACKENDS = ("gloo", "nccl")
@@ -416,8 +417,18 @@ class StageComm:
             else None
         )
         self._pending: list[tuple[dist.Work, torch.Tensor, int]] = []
-        self.waiting_on: int | None = None
-        """The peer rank a blocking call is waiting for (-1: a collective), else None."""
+        self._blocked_on: int | None = None
+        # NCCL's waits are queued on the GPU: what they wait for is known from events
+        # (parallelism/progress.py); Gloo's block the calling thread.
+        self._queued: Progress = progress_for(self.device) if backend == "nccl" else Progress()
+
+    @property
+    def waiting_on(self) -> int | None:
+        """The peer rank this worker is waiting for (-1: a collective), else None: the one a
+        blocking call waits for, or under NCCL the one of the oldest wait queued on the GPU
+        that has not completed (the CPU blocks on it later, in ``.item()``)."""
+        blocked = self._blocked_on
+        return blocked if blocked is not None else self._queued.waiting_on()
 
     @property
     def store(self) -> dist.Store:
@@ -456,14 +467,16 @@ class StageComm:
         Raises:
             RuntimeError: the work's error, or a connection error if `close` ran meanwhile.
         """
-        self.waiting_on = peer
+        self._blocked_on = peer
         try:
             if self.backend == "gloo" and peer == -1:
                 self._wait_collective(work)
             else:
                 work.wait()  # NCCL: enqueues a stream wait, the CPU does not block
+                if self.backend == "nccl":
+                    self._queued.queued_wait(peer)
         finally:
-            self.waiting_on = None
+            self._blocked_on = None
 
     def _wait_collective(self, work: dist.Work) -> None:
         """Block on a Gloo collective until it completes or this worker's groups are closed.

@@ -12,7 +12,9 @@ case. A hang is measured from a worker's last progress, not from the step's star
 any worker is silent it is asked every ``PROBE_EVERY`` (a quarter of ``hang_timeout_s``,
 at most 5 s) how long ago it finished a schedule action, and only a worker idle for
 ``hang_timeout_s`` counts -- so a long healthy step is never a hang, and a stuck one is
-found within ``hang_timeout_s`` (plus one probe interval) of its last progress. A failure before the commit decision abandons the step everywhere; a worker that
+found within ``hang_timeout_s`` (plus one probe interval) of its last progress. Progress
+and ``waiting_on`` mean the same on a GPU: an action counts once its CUDA work has
+completed, and a wait queued on the GPU names its peer (``parallelism/progress.py``). A failure before the commit decision abandons the step everywhere; a worker that
 dies after it (while applying the step) leaves the step committed for everyone else, and
 its replacement copies the committed state.
 """
@@ -98,6 +100,9 @@ def await_step(
                 seconds(hang_timeout),
             )
         group.kill(hung)
+        # Their victims are told to leave: Gloo would wake them (the dead peer's sockets
+        # close), NCCL would not -- a GPU waiting on a dead peer waits until aborted.
+        abort([call for rank, call in calls.items() if call in waiting and rank not in hung])
         _, still = group.wait(list(calls.values()), min(60.0, seconds(hang_timeout)))
         late = {rank for rank, call in calls.items() if call in still}
         hung |= late  # still silent after the cascade: give up on them too
