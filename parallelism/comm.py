@@ -93,6 +93,28 @@ def empty_received(
         ) from None
 
 
+def to_wire(tensor: torch.Tensor, wire: torch.device) -> torch.Tensor:
+    """``tensor`` where the backend moves bytes (``wire``): itself when it is there already,
+    else a copy -- in pinned host memory when staging a CUDA tensor for Gloo, so that the
+    copy is a DMA and the send reads it at once (issue 15 item 5: compute on CUDA,
+    communication over Gloo). The copy is finished when this returns."""
+    if tensor.device == wire:
+        return tensor.contiguous()
+    pinned = wire.type == "cpu" and tensor.device.type == "cuda"
+    staged = torch.empty(tensor.shape, dtype=tensor.dtype, device=wire, pin_memory=pinned)
+    staged.copy_(tensor)
+    return staged
+
+
+def from_wire(received: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """What arrived on the wire, on the compute ``device``: itself when it is there, else a
+    copy (asynchronous from pinned memory: later work on ``device``'s stream is ordered
+    after it)."""
+    if received.device == device:
+        return received
+    return received.to(device, non_blocking=received.is_pinned())
+
+
 def default_backend() -> str:
     """``nccl`` when CUDA is available, else ``gloo``."""
     return "nccl" if torch.cuda.is_available() else "gloo"

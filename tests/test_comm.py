@@ -15,9 +15,11 @@ from parallelism.comm import (
     Rendezvous,
     StageComm,
     abort_groups,
+    from_wire,
     host_store,
     nccl_env,
     nccl_options,
+    to_wire,
 )
 
 
@@ -125,3 +127,27 @@ def test_gloo_groups_are_aborted_one_by_one() -> None:
     log: list[str] = []
     abort_groups([_FakeGroup("a", log, nccl=False), _FakeGroup("b", log, nccl=False)])  # type: ignore[list-item]
     assert log == ["abort a", "abort b"]
+
+
+# -- staging between the compute device and the wire (compute on CUDA over Gloo)
+
+
+def test_a_tensor_on_the_wire_device_is_not_staged() -> None:
+    cpu = torch.device("cpu")
+    t = torch.arange(6.0).reshape(2, 3)
+    assert to_wire(t, cpu) is t
+    assert from_wire(t, cpu) is t
+    strided = t.t()  # a transposed view: sent contiguous, as isend does
+    sent = to_wire(strided, cpu)
+    assert sent.is_contiguous() and torch.equal(sent, strided)
+
+
+def test_a_tensor_off_the_wire_device_is_staged_on_it() -> None:
+    """The staging branch, with the meta device standing in for the other device (the CPU
+    has no second device): a fresh tensor of the same shape and dtype on the wire's device,
+    not pinned (pinning is for CUDA -> host only)."""
+    t = torch.ones(3, 4, dtype=torch.float16)
+    staged = to_wire(t, torch.device("meta"))
+    assert staged is not t and staged.device.type == "meta"
+    assert staged.shape == t.shape and staged.dtype == t.dtype
+    assert from_wire(staged, torch.device("meta")) is staged
