@@ -6,6 +6,21 @@ replicas of the stage and measures (and optionally clips) their norm. It never s
 optimizer: applying a step is the caller's decision (the two-phase step, see
 [Note: two-phase step] in ``recovery/worker/stage.py``). It knows nothing of failures: a
 communication error simply propagates.
+
+[Note: overlapped all-reduce]
+With replicas to average with, the stage's gradients live in one flat buffer (see
+`StageEngine._bind_gradients`), cut into buckets from its end -- the last parameters' come
+first out of backward -- a small first one (``FIRST_BUCKET_BYTES``), then
+``BUCKET_BYTES`` each, as DDP does. During the step's last backward (earlier microbatches
+only accumulate), a hook on every parameter counts its bucket's final gradients, and a
+complete bucket's all-reduce starts at once, so the reduction runs while backward goes on
+and while the stage still sends its input gradients. Buckets start strictly in bucket
+order, so every replica issues the same collectives in the same order whatever order its
+hooks fire in; buckets whose parameters the step did not use start after the schedule. The
+sums are per element, so the bits are those of one all-reduce over the buffer for two
+replicas; with three or more, Gloo's ring sums an element in an order that depends on its
+place in the message, so the bits depend on the (fixed) bucket layout, the same in every
+run and every replacement.
 """
 
 from __future__ import annotations
@@ -14,6 +29,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -31,6 +47,12 @@ DURING_ALLREDUCE = "during_allreduce"
 
 Hook = Callable[[str], None]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+FIRST_BUCKET_BYTES = 1 << 20
+"""The first gradient bucket (the last parameters, whose gradients backward makes first) is
+small, so that its all-reduce starts early, as DDP's is."""
+BUCKET_BYTES = 4 << 20
+"""The other buckets. Gloo's throughput on one host hardly grows past a few MB a message."""
 
 
 @dataclass
@@ -127,6 +149,12 @@ class StageEngine:
         self.shared_is_home = shared_is_home
         self._grad_flat: torch.Tensor | None = None
         self._grad_views: list[torch.Tensor] = []
+        self._buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, int] = {}
+        """Parameter index -> its bucket."""
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._overlap: _Overlap | None = None
+        """Set while the step's last backward runs: the buckets its hooks launch."""
 
     def _bind_gradients(self) -> None:
         """Point every own parameter's ``.grad`` at its slice of one zeroed flat buffer, so
@@ -147,10 +175,56 @@ class StageEngine:
             for p in self.params:
                 self._grad_views.append(self._grad_flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
+            self._make_buckets()
         else:
             self._grad_flat.zero_()
         for p, view in zip(self.params, self._grad_views, strict=True):
             p.grad = view
+
+    def _make_buckets(self) -> None:
+        """Cut the flat buffer into buckets, from its end (backward's order), and hook every
+        own parameter so that the step's last backward can launch a bucket's all-reduce as
+        soon as all of its gradients are final (see [Note: overlapped all-reduce])."""
+        assert self._grad_flat is not None
+        size = self._grad_flat.element_size()
+        offsets = [0]
+        for p in self.params:
+            offsets.append(offsets[-1] + p.numel())
+        cap, end, members = FIRST_BUCKET_BYTES, len(self.params), 0
+        for start in range(len(self.params) - 1, -1, -1):
+            members += 1
+            if (offsets[end] - offsets[start]) * size >= cap or start == 0:
+                index = len(self._buckets)
+                self._buckets.append(
+                    _Bucket(self._grad_flat[offsets[start] : offsets[end]], members)
+                )
+                for j in range(start, end):
+                    self._bucket_of[j] = index
+                end, members, cap = start, 0, BUCKET_BYTES
+        for i, p in enumerate(self.params):
+            self._hooks.append(p.register_post_accumulate_grad_hook(partial(self._on_grad, i)))
+
+    def _on_grad(self, index: int, param: torch.Tensor) -> None:
+        """A parameter's gradient is final for this backward: launch every bucket that is now
+        complete, in bucket order (every replica issues the same all-reduces in the same
+        order, whatever order its hooks fire in)."""
+        overlap = self._overlap
+        if overlap is None:
+            return
+        view = self._grad_views[index]
+        if param.grad is None or param.grad.data_ptr() != view.data_ptr():
+            # Backward replaced the bound gradient (it accumulates dense ones in place, so
+            # only user code does this): put the value back where the all-reduce reads it.
+            view.copy_(param.grad if param.grad is not None else torch.zeros_like(view))
+            param.grad = view
+        overlap.ready[self._bucket_of[index]] += 1
+        overlap.launch(self._buckets)
+
+    def release(self) -> None:
+        """Remove this engine's gradient hooks (before another engine takes the module)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
 
     def _bound(self) -> bool:
         """Whether backward left every own gradient in the flat buffer (nothing replaced one)."""
@@ -192,6 +266,8 @@ class StageEngine:
         t0 = time.perf_counter()
         hook(BEFORE_FORWARD)
         mid = len(actions) // 2
+        last_backward = max((i for i, a in enumerate(actions) if a.op is Op.BACKWARD), default=-1)
+        self._overlap = None
         if training:
             self._bind_gradients()
         context = torch.enable_grad() if training else torch.no_grad()
@@ -245,6 +321,8 @@ class StageEngine:
                     ]
                 elif action.op is Op.BACKWARD:
                     start = time.perf_counter()
+                    if index == last_backward and self._buckets and comm is not None:
+                        self._overlap = _Overlap(comm, [0] * len(self._buckets))
                     out = stage_out.pop(m)
                     if m in grad_out:
                         torch.autograd.backward(_needs_grad(out), grad_out.pop(m))
@@ -281,9 +359,15 @@ class StageEngine:
         replicas = self.topology.replicas
         own = [p.grad for p in self.params if p.grad is not None]
         works: list[tuple[dist.Work | None, torch.Tensor, list[torch.Tensor]]] = []
+        overlap, self._overlap = self._overlap, None
         if replicas > 1 and own:
             assert comm is not None
-            if self._bound():  # reduced in place: the gradients are views of the buffer
+            if overlap is not None:  # buckets, some launched during backward; launch the rest
+                overlap.launch(self._buckets, everything=True)
+                works.extend(
+                    (w, b.flat, []) for w, b in zip(overlap.works, self._buckets, strict=True)
+                )
+            elif self._bound():  # reduced in place: the gradients are views of the buffer
                 assert self._grad_flat is not None
                 works.append((comm.allreduce_stage(self._grad_flat), self._grad_flat, []))
             else:
@@ -309,6 +393,34 @@ class StageEngine:
             self.params, self.clip_grad_norm, self.shared, shared_is_home=self.shared_is_home
         )
         stats.grad_norm, stats.clipped_grad_norm = norm, clipped
+
+
+@dataclass
+class _Bucket:
+    flat: torch.Tensor
+    """A slice of the flat gradient buffer: the gradients of consecutive parameters."""
+    members: int
+    """How many parameters' gradients it holds."""
+
+
+@dataclass
+class _Overlap:
+    """The all-reduces one step's last backward launches (see [Note: overlapped all-reduce])."""
+
+    comm: StageComm
+    ready: list[int]
+    """Per bucket, how many of its gradients are final."""
+    works: list[dist.Work | None] = field(default_factory=list)
+    """The launched all-reduces, in bucket order."""
+
+    def launch(self, buckets: Sequence[_Bucket], *, everything: bool = False) -> None:
+        """Launch the next buckets in order while they are complete (all of them, with
+        ``everything``: parameters the step did not use keep a zero gradient)."""
+        while len(self.works) < len(buckets):
+            bucket = buckets[len(self.works)]
+            if not everything and self.ready[len(self.works)] < bucket.members:
+                return
+            self.works.append(self.comm.allreduce_stage(bucket.flat))
 
 
 def _clip_group(params: Sequence[nn.Parameter], max_norm: float | None) -> tuple[float, float]:

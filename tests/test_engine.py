@@ -7,12 +7,15 @@ schedules, no Ray.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
 
 from parallelism import Topology
+from parallelism import engine as engine_mod
 from parallelism.comm import Rendezvous, StageComm, host_store
+from parallelism.schedule import build_schedule
 from recovery import RecoveryPolicy
 from recovery.reference import train_reference
 from recovery.runtime import Controller, Phase
@@ -163,3 +166,106 @@ def test_a_waiter_gives_up_when_its_own_groups_close_even_if_gloo_would_not_wake
     assert not isinstance(waited, BaseException), waited
     assert waited < 2.0
     comms[1].close()
+
+
+class _PartlyUsed(torch.nn.Module):
+    """Five linear layers and, first in the flat buffer, one that forward never uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = torch.nn.Linear(64, 64)
+        self.body = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(5)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)  # type: ignore[no-any-return]
+
+
+def _overlap_run(replicas: int, overlap: bool, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Two steps of a 1 x ``replicas`` MLP (one parameter unused), two microbatches each, on
+    real Gloo groups in threads; per replica: the reduced gradients of the last step, the
+    order its bucket all-reduces started in, and how many had started before the schedule
+    ended."""
+    monkeypatch.setattr(engine_mod, "FIRST_BUCKET_BYTES", 4 * 64 * 64)
+    monkeypatch.setattr(engine_mod, "BUCKET_BYTES", 2 * 4 * 64 * 64)
+    if not overlap:
+        monkeypatch.setattr(engine_mod.StageEngine, "_make_buckets", lambda self: None)
+    top = Topology(1, replicas)
+    store = host_store("127.0.0.1")
+    rdzv = Rendezvous("127.0.0.1", store.port, "gen0", 20)
+    comms = in_threads(
+        [lambda r=r: StageComm(rdzv, top, r, "gloo", "127.0.0.1") for r in range(replicas)]
+    )
+    schedule = build_schedule("1f1b", 1, 2)
+    torch.manual_seed(0)  # here, not in the threads: the global generator is shared
+    modules = [_PartlyUsed() for _ in range(replicas)]
+    for m in modules[1:]:
+        m.load_state_dict(modules[0].state_dict())
+
+    def replica(r: int) -> tuple[list[torch.Tensor], list[int], int]:
+        module = modules[r]
+        eng = engine_mod.StageEngine(
+            module,
+            stage=0,
+            replica=r,
+            topology=top,
+            loss_fn=torch.nn.functional.mse_loss,
+            device=torch.device("cpu"),
+        )
+        started: list[int] = []
+        reduce = eng._reduce_gradients
+        before_end: list[int] = []
+
+        def launch(tensor: torch.Tensor) -> Any:
+            assert eng._grad_flat is not None
+            started.append(tensor.data_ptr())
+            return StageComm.allreduce_stage(comms[r], tensor)
+
+        def reduce_spy(*args: Any) -> None:
+            before_end.append(len(started))
+            reduce(*args)
+
+        comms[r].allreduce_stage = launch  # type: ignore[method-assign]
+        eng._reduce_gradients = reduce_spy  # type: ignore[method-assign]
+        g = torch.Generator().manual_seed(r)
+        for _ in range(2):
+            started.clear()
+            before_end.clear()
+            inputs = [torch.randn(4, 64, generator=g) for _ in range(2)]
+            targets = [torch.randn(4, 64, generator=g) for _ in range(2)]
+            eng.run(schedule, comms[r], inputs, targets)
+            grads = [p.grad.clone() for p in eng.params]  # type: ignore[union-attr]
+            module.zero_grad(set_to_none=True)
+        if not eng._buckets:  # one all-reduce, of the whole buffer
+            assert started == [eng._grad_flat.data_ptr()]  # type: ignore[union-attr]
+            return grads, [], before_end[0]
+        order = [[b.flat.data_ptr() for b in eng._buckets].index(ptr) for ptr in started]
+        return grads, order, before_end[0]
+
+    out = in_threads([lambda r=r: replica(r) for r in range(replicas)])
+    for c in comms:
+        c.close()
+    for o in out:
+        assert not isinstance(o, BaseException), o
+    return out
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_allreduce_overlaps_backward_in_bucket_order(
+    replicas: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """[Note: overlapped all-reduce]: buckets start during the last backward, in bucket
+    order on every replica (the unused parameter's bucket last, after the schedule), and
+    every replica ends with the same reduced gradients; with two replicas they are the bits
+    of one all-reduce over the whole buffer."""
+    out = _overlap_run(replicas, True, monkeypatch)
+    for grads, order, before_end in out:
+        assert order == list(range(len(order))) and len(order) >= 3
+        assert 1 <= before_end < len(order)  # some during backward; the unused one after
+        for g, g0 in zip(grads, out[0][0], strict=True):
+            assert torch.equal(g, g0)
+    if replicas == 2:
+        monkeypatch.undo()
+        whole = _overlap_run(replicas, False, monkeypatch)
+        assert whole[0][1] == []
+        for g, g0 in zip(out[0][0], whole[0][0], strict=True):
+            assert torch.equal(g, g0)

@@ -171,6 +171,7 @@ class StateTransfer(WorkerLifecycle):
         self.module.load_state_dict(result.state)
         self.optimizer = self._make_optimizer()
         load_optimizer_moments(self.module, self.optimizer, result.moments)
+        self.engine.release()
         self.engine = StageEngine(
             self.module,
             stage=self.stage,
