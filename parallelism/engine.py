@@ -37,6 +37,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from parallelism.comm import Activation, StageComm
+from parallelism.progress import Progress, progress_for
 from parallelism.schedule import Op, Schedule
 from parallelism.topology import Topology
 
@@ -108,6 +109,7 @@ class StageEngine:
         loss_fn: ``(output, targets) -> scalar`` on the last stage of a route.
         clip_grad_norm: clip the stage's gradient to this L2 norm after the all-reduce
             (per stage, as CheckFree's bookkeeping expects), or ``None``.
+        progress: what measures this stage's progress; default `progress_for` ``device``.
     """
 
     def __init__(
@@ -122,6 +124,7 @@ class StageEngine:
         clip_grad_norm: float | None = None,
         shared: Sequence[str] = (),
         shared_is_home: bool = True,
+        progress: Progress | None = None,
     ) -> None:
         self.module = module
         self.stage = stage
@@ -129,10 +132,10 @@ class StageEngine:
         self.topology = topology
         self.loss_fn = loss_fn
         self.device = device
-        self.progressed_at = time.monotonic()
-        """When this stage last finished an action of its schedule (or its all-reduce), on
-        the monotonic clock: what hang detection measures a stall from, so that a long
-        healthy step is not a hang and a stuck one is seen from its last progress."""
+        self.progress = progress if progress is not None else progress_for(device)
+        """Marked at every schedule action and around the all-reduce; what hang detection
+        measures a stall from (`progressed_at`). On a GPU a mark counts once its CUDA work
+        has completed (parallelism/progress.py)."""
         self.clip_grad_norm = clip_grad_norm
         shared_names = set(shared)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -220,6 +223,13 @@ class StageEngine:
         overlap.ready[self._bucket_of[index]] += 1
         overlap.launch(self._buckets)
 
+    @property
+    def progressed_at(self) -> float:
+        """When this stage last made progress, on the monotonic clock: what hang detection
+        measures a stall from, so that a long healthy step is not a hang and a stuck one is
+        seen from its last progress."""
+        return self.progress.at()
+
     def release(self) -> None:
         """Remove this engine's gradient hooks (before another engine takes the module)."""
         for handle in self._hooks:
@@ -254,7 +264,7 @@ class StageEngine:
             RuntimeError: on a communication error (a peer died), from the backend.
         """
         stats = StepStats()
-        self.progressed_at = time.monotonic()
+        self.progress.mark()
         hook = hook or (lambda point: None)
         actions = schedule.for_stage(self.stage)
         num_mb = schedule.num_microbatches
@@ -273,7 +283,7 @@ class StageEngine:
         context = torch.enable_grad() if training else torch.no_grad()
         with context:
             for index, action in enumerate(actions):
-                self.progressed_at = time.monotonic()
+                self.progress.mark()
                 if index == mid:
                     hook(MID_PIPELINE)
                 m = action.microbatch
@@ -346,9 +356,9 @@ class StageEngine:
         stats.schedule_s = time.perf_counter() - t0
         if training:
             start = time.perf_counter()
-            self.progressed_at = time.monotonic()
+            self.progress.mark()
             self._reduce_gradients(comm, hook, stats)
-            self.progressed_at = time.monotonic()
+            self.progress.mark()
             stats.allreduce_s = time.perf_counter() - start
         return stats
 

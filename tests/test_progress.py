@@ -10,7 +10,7 @@ import torch
 from parallelism import Topology
 from parallelism.progress import EventProgress, Progress, progress_for
 from parallelism.schedule import build_schedule
-from parallelism.tracking import TrackedEngine
+from parallelism.engine import StageEngine
 from tests.workloads import mlp_spec
 
 HANG_S = 10.0
@@ -102,11 +102,11 @@ def test_on_the_cpu_a_mark_is_progress_when_it_is_made() -> None:
     assert type(progress_for(torch.device("cpu"))) is Progress
 
 
-def _engine(progress: Progress) -> tuple[TrackedEngine, object]:
+def _engine(progress: Progress) -> tuple[StageEngine, object]:
     spec = mlp_spec()
     top = Topology(1, 1)
     module = spec.build(0, 1)
-    engine = TrackedEngine(
+    engine = StageEngine(
         module,
         stage=0,
         replica=0,

@@ -18,7 +18,6 @@ from parallelism.comm import Rendezvous, StageComm, device_for
 from parallelism.engine import StageEngine
 from parallelism.schedule import build_schedule, forward_only, swapped_routes
 from parallelism.topology import Topology
-from parallelism.tracking import TrackedEngine
 from parallelism.zero import ZeroShard
 from recovery.spec import TrainSpec
 from recovery.strategies.checkfree import CheckFreeConfig
@@ -93,7 +92,7 @@ class WorkerLifecycle:
             routes = swapped_routes(topology.stages, spec.microbatches)
         self.schedule = build_schedule(spec.schedule, topology.stages, spec.microbatches, routes)
         self.eval_schedule = forward_only(topology.stages, spec.microbatches)
-        self.engine: StageEngine = TrackedEngine(
+        self.engine = StageEngine(
             self.module,
             stage=self.stage,
             replica=self.replica,

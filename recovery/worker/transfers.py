@@ -182,6 +182,7 @@ class StateTransfer(WorkerLifecycle):
             clip_grad_norm=self.engine.clip_grad_norm,
             shared=self.shared_names,
             shared_is_home=self.engine.shared_is_home,
+            progress=self.engine.progress,
         )
         self.step = step
         self.rebuilt_at = step
