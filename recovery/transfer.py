@@ -10,7 +10,7 @@ random draw is derived from ``(seed, stage, replica, step)`` (see ``parallelism/
 
 [Note: checked transfers]
 Every transfer carries the sender's fingerprint of what it sends: the description holds a
-BLAKE2b digest of each tensor's bytes (`recovery.fingerprint.digest`), taken from the
+XXH3-64 digest of each tensor's bytes (`recovery.fingerprint.digest`), taken from the
 sender's own state, and the receiver hashes what arrived before it trusts any of it. A
 mismatch raises `TransferCorrupted` naming the source and the tensors (the optimizer state
 is not loaded; the parameters, received in place, hold garbage until the retry), and the
