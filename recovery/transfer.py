@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from parallelism.comm import GarbledMessage, StageComm, empty_received
+from recovery import same_host
 from recovery.errors import TransferCorrupted
 from recovery.fingerprint import digest, flip_one
 from recovery.wire import recv_header, send_header, tensor_spec
@@ -162,6 +163,7 @@ def send_state(
     *,
     wait: bool = True,
     flip: int | None = None,
+    local: bool = True,
 ) -> int:
     """Send this worker's full state to global rank ``dst``. Returns the bytes sent.
 
@@ -169,17 +171,29 @@ def send_state(
     when the stage was last rebuilt. ``wait=False`` returns once the sends are posted
     (finish them with ``comm.wait_sends()``), so a worker can receive meanwhile. The
     description carries the digest of every tensor (see [Note: checked transfers]);
-    ``flip`` (a seed) injects a bit flipped in flight after they were taken.
+    ``flip`` (a seed) injects a bit flipped in flight after they were taken. A
+    destination on this host copies the tensors straight out of this process's memory
+    (``local``, and only with ``wait``: see [Note: same-host transfer] in
+    recovery/same_host.py).
     """
     meta, tensors, names = _describe(module, optimizer, step)
     meta["extra"] = extra or {}
     tensors = _seal(meta, tensors, names, flip)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    made = same_host.offer(tensors) if wait and local and comm.backend == "gloo" else None
+    if made is not None:
+        meta["same_host"] = made
     header = send_header(comm, dst, meta)
+    if made is not None:
+        answer = comm.recv(torch.zeros(1, dtype=torch.int64), dst)
+        if int(answer) == same_host.TAKEN:  # copied out of our memory: nothing to send
+            comm.wait_sends()
+            return int(header + nbytes)
     for t in tensors:
         comm.isend(t.detach(), dst)
     if wait:
         comm.wait_sends()
-    return int(header + sum(t.numel() * t.element_size() for t in tensors))
+    return int(header + nbytes)
 
 
 def recv_state(
@@ -214,11 +228,28 @@ def recv_state(
         for index, entry in meta["optimizer"]["state"].items():
             state[index] = _allocate_entry(entry, comm.device, targets)
         param_groups, step, extra = meta["optimizer"]["param_groups"], meta["step"], meta["extra"]
-    comm.recv_many(targets, src)
+    _receive(comm, src, meta, targets)
     _check(meta, targets, src, comm.rank)
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
     total = header + sum(t.numel() * t.element_size() for t in targets)
     return int(step), total, dict(extra)
+
+
+def _receive(
+    comm: StageComm, src: int, meta: dict[str, Any], targets: list[torch.Tensor]
+) -> None:
+    """Fill ``targets`` with what ``src`` sends: out of its memory if it offered that and
+    is on this host (see [Note: same-host transfer]), else over the process group."""
+    made = meta.get("same_host")
+    if made is not None:
+        if not isinstance(made, dict):
+            raise GarbledMessage(f"a state description from rank {src} with a bad offer")
+        taken = same_host.read_offer(made, targets, src)
+        comm.isend(torch.tensor([same_host.TAKEN if taken else same_host.DECLINED]), src)
+        comm.wait_sends()
+        if taken:
+            return
+    comm.recv_many(targets, src)
 
 
 def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:

@@ -1,0 +1,204 @@
+"""State transfer between workers on one host, copied out of the sender's memory ([Note:
+same-host transfer] in recovery/same_host.py): the same bits as over Gloo, a fallback to
+Gloo across hosts or where the kernel refuses, a clean communication error when the
+sender is gone or the offer does not fit, and a source killed mid-transfer retried."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from parallelism import Topology
+from recovery import same_host
+from recovery.runtime import Phase
+from recovery.transfer import recv_state, send_state
+from recovery.worker.reports import is_comm_error
+from tests.jobs import drive, in_threads, make
+from tests.test_comm import _pair
+from tests.test_controller import assert_equal_states
+from tests.test_reentrant import SOURCE, TOP, once, run
+from tests.workloads import mlp_spec
+
+pytestmark = pytest.mark.skipif(
+    not same_host.usable(), reason="this kernel does not allow process_vm_readv"
+)
+
+
+def _state(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A stage with parameters, a buffer, odd sizes and a trained AdamW."""
+    torch.manual_seed(seed)
+    module = torch.nn.Sequential(
+        torch.nn.Linear(37, 129), torch.nn.BatchNorm1d(129), torch.nn.Linear(129, 5)
+    )
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    for _ in range(2):
+        module(torch.randn(8, 37)).square().mean().backward()
+        optimizer.step()
+    return module, optimizer
+
+
+def _blank() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    module, _ = _state(1)
+    with torch.no_grad():
+        for t in module.state_dict().values():
+            t.zero_()
+    return module, torch.optim.AdamW(module.parameters(), lr=1.0)
+
+
+def _transfer(local: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
+    """Send `_state(0)` from rank 0 to a blank rank 1; returns the receiver's state."""
+    comms = _pair(Topology(2, 1))
+    module, optimizer = _state(0)
+    other, other_opt = _blank()
+    try:
+        sent, (step, nbytes, _) = in_threads(
+            [
+                lambda: send_state(comms[0], 1, module, optimizer, 7, local=local),
+                lambda: recv_state(comms[1], 0, other, other_opt),
+            ]
+        )
+    finally:
+        for comm in comms:
+            comm.close()
+    assert (step, nbytes) == (7, sent)
+    return other, other_opt, nbytes
+
+
+@pytest.fixture
+def taken(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
+    """What each receive's `read_offer` returned (True: copied out of the sender's memory)."""
+    answers: list[bool] = []
+    real = same_host.read_offer
+
+    def spy(*args: Any) -> bool:
+        answers.append(real(*args))
+        return answers[-1]
+
+    monkeypatch.setattr(same_host, "read_offer", spy)
+    yield answers
+
+
+def _assert_same(a: tuple[Any, ...], b: tuple[Any, ...]) -> None:
+    (ma, oa, _), (mb, ob, _) = a, b
+    for x, y in zip(ma.state_dict().values(), mb.state_dict().values(), strict=True):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+    sa, sb = oa.state_dict(), ob.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    for key in sa["state"]:
+        for name, value in sa["state"][key].items():
+            assert torch.equal(value, sb["state"][key][name]), (key, name)
+
+
+def test_a_same_host_copy_and_gloo_deliver_the_same_bits(taken: list[bool]) -> None:
+    by_memory = _transfer(local=True)
+    assert taken == [True]
+    by_gloo = _transfer(local=False)
+    assert taken == [True]  # no offer made: the receiver never read one
+    _assert_same(by_memory, by_gloo)
+    source, source_opt = _state(0)
+    _assert_same(by_memory, (source, source_opt, 0))
+
+
+def test_an_offer_from_another_host_falls_back_to_gloo(
+    taken: list[bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = same_host.offer
+    monkeypatch.setattr(
+        same_host, "offer", lambda tensors: {**real(tensors), "host": "elsewhere/boot"}
+    )
+    received = _transfer(local=True)
+    assert taken == [False]
+    _assert_same(received, _transfer(local=False))
+
+
+def test_a_kernel_that_refuses_the_read_falls_back_to_gloo(
+    taken: list[bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Containers often forbid process_vm_readv (EPERM): the receiver declines, once and
+    for all, and the bytes come over Gloo."""
+
+    def refuse(*_: Any) -> int:
+        ctypes.set_errno(errno.EPERM)
+        return -1
+
+    monkeypatch.setattr(same_host, "_READV", refuse)
+    monkeypatch.setattr(same_host, "_refused", [])
+    received = _transfer(local=True)
+    assert taken == [False] and same_host._refused == [os.strerror(errno.EPERM)]
+    assert not same_host.usable()
+    _assert_same(received, _transfer(local=False))
+
+
+def test_an_offer_from_a_sender_that_is_gone_is_a_communication_error() -> None:
+    source = torch.arange(1000.0)
+    made = same_host.offer([source])
+    assert made is not None
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    os.waitpid(child, 0)  # a pid that existed and is gone
+    with pytest.raises(ConnectionError) as err:
+        same_host.read_offer({**made, "pid": child}, [torch.empty(1000)], src=3)
+    assert is_comm_error(err.value) and "rank 3" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"regions": [[1, 4000], [1, 4]]},  # more regions than tensors
+        {"regions": [[1, 40]]},  # a size that is not the tensor's
+        {"regions": [[0, 4000]]},  # no address
+        {"regions": [[4096, 4000]]},  # an address the sender does not map: EFAULT
+        {"pid": "x"},
+        {"regions": "x"},
+    ],
+)
+def test_an_offer_that_does_not_fit_is_a_communication_error(bad: dict[str, Any]) -> None:
+    source = torch.arange(1000.0)
+    made = same_host.offer([source])
+    assert made is not None
+    with pytest.raises(ConnectionError) as err:
+        same_host.read_offer({**made, **bad}, [torch.empty(1000)], src=1)
+    assert is_comm_error(err.value)
+
+
+def test_a_read_resumes_after_short_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel may stop a read early (at a region boundary or inside one): the rest
+    is read again, and every byte lands where it belongs."""
+    real = same_host._READV
+    calls = []
+
+    def short(pid: int, local: Any, n: int, remote: Any, m: int, flags: int) -> int:
+        calls.append(n)
+        first = remote[0]
+        take = max(1, first.iov_len // 3)  # a third of the first region, at most
+        one = (same_host._IoVec * 1)(same_host._IoVec(local[0].iov_base, take))
+        rem = (same_host._IoVec * 1)(same_host._IoVec(first.iov_base, take))
+        return int(real(pid, one, 1, rem, 1, flags))
+
+    monkeypatch.setattr(same_host, "_READV", short)
+    sources = [torch.randn(1000), torch.randn(7), torch.arange(300, dtype=torch.int64)]
+    targets = [torch.empty_like(t) for t in sources]
+    made = same_host.offer(sources)
+    assert made is not None and same_host.read_offer(made, targets, src=0)
+    assert len(calls) > 3
+    assert all(torch.equal(a, b) for a, b in zip(sources, targets, strict=True))
+
+
+def test_a_source_killed_mid_transfer_is_retried_and_the_job_ends_exact(
+    taken: list[bool],
+) -> None:
+    """Nothing is shared, so nothing is left to clean up: the copy is retried from
+    another replica and the job ends bit-identical to one that never failed."""
+    controller, _ = run(once(SOURCE, "send_state", delay=0.001))
+    assert controller.phase is Phase.FINISHED, controller.error
+    assert True in taken  # a copy came out of a sender's memory
+    oracle, _ = make(mlp_spec(), TOP)
+    drive(oracle)
+    assert_equal_states(controller.final_states, oracle.final_states)  # type: ignore[attr-defined]
