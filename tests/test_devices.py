@@ -189,3 +189,34 @@ def test_device_cpu_trains_exactly_as_the_default() -> None:
         for r in range(2):
             for k, v in default.state(s, r).items():
                 assert torch.equal(explicit.state(s, r)[k], v), (s, r, k)
+
+
+# -- CUDA RNG state: derived from the step, like the CPU's --------------------------------
+
+
+def test_every_step_reseeds_the_cuda_generators_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's RNG state is a function of the step (parallelism/seeding.py): the CPU
+    generator and every CUDA device's are seeded from the same derived key before each
+    step's first draw, so a state transfer or a snapshot carries no RNG bytes for either,
+    and a worker rebuilt on a GPU draws what the lost one would have."""
+    from parallelism.seeding import derive_seed, seed_everything
+    from recovery.worker import stage as stage_mod
+
+    seeded: list[int] = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: seeded.append(int(seed)))
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: False)
+    seed_everything(0, "step", 1, 0, 7)
+    assert seeded == [derive_seed(0, "step", 1, 0, 7)]
+    assert stage_mod.seed_everything is seed_everything  # what the worker's step calls
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_draws_are_a_function_of_the_step() -> None:
+    from parallelism.seeding import seed_everything
+
+    seed_everything(0, "step", 1, 0, 7)
+    first = torch.cuda.get_rng_state()
+    a = torch.rand(8, device="cuda")
+    seed_everything(0, "step", 1, 0, 7)
+    assert torch.equal(torch.cuda.get_rng_state(), first)
+    assert torch.equal(torch.rand(8, device="cuda"), a)
