@@ -115,6 +115,7 @@ class SnapshotKeeper:
         header = torch.frombuffer(bytearray(packed.header()), dtype=torch.uint8)
         sizes = torch.tensor([header.numel(), packed.nbytes], dtype=torch.int64)
         try:
+            packed.wait()  # a copy from a GPU may still be in flight (this thread waits)
             works = comm.side_isend([sizes, header, packed.data], buddy)
             theirs = _checked_sizes(comm.side_recv(torch.empty(2, dtype=torch.int64), ward), ward)
             their_header = comm.side_recv(torch.empty(int(theirs[0]), dtype=torch.uint8), ward)
@@ -133,7 +134,7 @@ class SnapshotKeeper:
     def send(self, comm: StageComm, step: int, ward: int, dst: int) -> int:
         """Send the held copy of ``ward`` at ``step`` to ``dst`` over the main group.
         Returns bytes sent."""
-        packed = self.peer.get(step, ward)
+        packed = self.peer.get(step, ward).wait()
         header = torch.frombuffer(bytearray(packed.header()), dtype=torch.uint8)
         sizes = torch.tensor([header.numel(), packed.nbytes], dtype=torch.int64)
         for t in (sizes, header, packed.data):
