@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from parallelism.devices import wire_device
 from parallelism.progress import Progress, progress_for
 from parallelism.topology import Topology
 
@@ -93,6 +94,13 @@ def empty_received(
         ) from None
 
 
+def wire_buffer(like: torch.Tensor, wire: torch.device) -> torch.Tensor:
+    """An uninitialised tensor shaped as ``like`` on ``wire``: pinned host memory when
+    ``like`` is on CUDA and ``wire`` is the host (so copies to and from it are DMAs)."""
+    pinned = wire.type == "cpu" and like.device.type == "cuda"
+    return torch.empty(like.shape, dtype=like.dtype, device=wire, pin_memory=pinned)
+
+
 def to_wire(tensor: torch.Tensor, wire: torch.device) -> torch.Tensor:
     """``tensor`` where the backend moves bytes (``wire``): itself when it is there already,
     else a copy -- in pinned host memory when staging a CUDA tensor for Gloo, so that the
@@ -100,8 +108,7 @@ def to_wire(tensor: torch.Tensor, wire: torch.device) -> torch.Tensor:
     communication over Gloo). The copy is finished when this returns."""
     if tensor.device == wire:
         return tensor.contiguous()
-    pinned = wire.type == "cpu" and tensor.device.type == "cuda"
-    staged = torch.empty(tensor.shape, dtype=tensor.dtype, device=wire, pin_memory=pinned)
+    staged = wire_buffer(tensor, wire)
     staged.copy_(tensor)
     return staged
 
@@ -113,6 +120,42 @@ def from_wire(received: torch.Tensor, device: torch.device) -> torch.Tensor:
     if received.device == device:
         return received
     return received.to(device, non_blocking=received.is_pinned())
+
+
+def land(target: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+    """Copy what arrived on the wire into ``target`` on the compute device (asynchronous
+    from pinned memory, as `from_wire`); returns ``target``."""
+    if received is not target:
+        target.copy_(received, non_blocking=received.is_pinned())
+    return target
+
+
+class StagedWork:
+    """A collective run on a wire copy of a compute-device tensor: waiting for it copies the
+    result back (see [Note: compute device and wire device] in parallelism/devices.py).
+    Anything else is the backend work's own."""
+
+    def __init__(self, work: dist.Work, staged: torch.Tensor, target: torch.Tensor) -> None:
+        self._work = work
+        self._staged = staged
+        self._target = target
+        self._landed = False
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        """Wait for the collective (at most ``timeout``: the backend raises when it runs
+        out), then copy the result into the compute-device tensor, once."""
+        done = self._work.wait() if timeout is None else self._work.wait(timeout)
+        if not self._landed:
+            land(self._target, self._staged)
+            self._landed = True
+        return bool(done)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+Waitable = dist.Work | StagedWork
+"""What a started collective returns: the backend's work, or a staged one."""
 
 
 def default_backend() -> str:
@@ -368,9 +411,14 @@ class StageComm:
         topology: the job layout; ``rank`` is this worker's global rank in it.
         backend: ``gloo`` or ``nccl``.
         bind_host: the address this worker's transport listens on (its node's IP).
+        device: the compute device (`parallelism.devices.compute_device`); default the
+            backend's own (`device_for`). Tensors given to and received from this object
+            are on it; the backend moves them on ``wire`` (`parallelism.devices.wire_device`),
+            staged in between when the two differ ([Note: compute device and wire device]).
 
     Raises:
         RuntimeError: if the group cannot be formed within ``rendezvous.timeout_s``.
+        ValueError: for NCCL with a compute device that is not CUDA.
     """
 
     def __init__(
@@ -383,12 +431,16 @@ class StageComm:
         *,
         side_group: bool = False,
         tied: tuple[int, ...] = (),
+        device: torch.device | None = None,
     ) -> None:
         self.topology = topology
         self.rank = rank
         self.worker = topology.worker(rank)
         self.backend = backend
-        self.device = device_for(backend)
+        self.device = device if device is not None else device_for(backend)
+        """The compute device: where what is sent comes from and what is received goes."""
+        self.wire = wire_device(backend, self.device)
+        """Where the backend moves bytes (host memory for Gloo, the GPU for NCCL)."""
         timeout = datetime.timedelta(seconds=rendezvous.timeout_s)
         base = dist.TCPStore(rendezvous.host, rendezvous.port, None, False, timeout)
         collective = datetime.timedelta(
@@ -403,7 +455,7 @@ class StageComm:
         before = _socket_inodes()
         world_store = dist.PrefixStore("world", self._store)
         self._world: _Group | None = _make_group(
-            backend, world_store, rank, topology.world_size, bind_host, collective, self.device
+            backend, world_store, rank, topology.world_size, bind_host, collective, self.wire
         )
         self._stage: _Group | None = None
         if topology.replicas > 1:
@@ -415,7 +467,7 @@ class StageComm:
                 topology.replicas,
                 bind_host,
                 collective,
-                self.device,
+                self.wire,
             )
         # The workers that hold bit-identical replicas of some parameters (CheckFree+'s
         # (de)embedding on stages 0 and 1, or S-2 and S-1), every replica of both stages.
@@ -423,7 +475,7 @@ class StageComm:
         if tied:
             tied_store = dist.PrefixStore("tied" + "_".join(map(str, tied)), self._store)
             self._tied = _make_group(
-                backend, tied_store, tied.index(rank), len(tied), bind_host, collective, self.device
+                backend, tied_store, tied.index(rank), len(tied), bind_host, collective, self.wire
             )
         # A second, always-Gloo world group for traffic that runs beside the step on another
         # thread (peer snapshots in host memory): it never competes with the step's ordering.
@@ -442,7 +494,7 @@ class StageComm:
         self._blocked_on: int | None = None
         # NCCL's waits are queued on the GPU: what they wait for is known from events
         # (parallelism/progress.py); Gloo's block the calling thread.
-        self._queued: Progress = progress_for(self.device) if backend == "nccl" else Progress()
+        self._queued: Progress = progress_for(self.wire) if backend == "nccl" else Progress()
 
     @property
     def waiting_on(self) -> int | None:
@@ -468,22 +520,37 @@ class StageComm:
         return self._world
 
     def isend(self, tensor: torch.Tensor, dst: int) -> None:
-        """Send ``tensor`` to global rank ``dst`` without waiting; see `wait_sends`."""
-        tensor = tensor.contiguous()
+        """Send ``tensor`` to global rank ``dst`` without waiting; see `wait_sends`. A tensor
+        off the wire device is sent from a wire copy (`to_wire`), finished before this
+        returns, so the caller may change ``tensor`` at once."""
+        tensor = to_wire(tensor, self.wire)
         self._pending.append((self.world.send([tensor], dst, 0), tensor, dst))
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        """Receive into ``tensor`` from global rank ``src``, blocking."""
-        self.wait(self.world.recv([tensor], src, 0), src)
-        return tensor
+        """Receive into ``tensor`` from global rank ``src``, blocking (on the wire first
+        when ``tensor`` is off the wire device, then copied into it)."""
+        landing = tensor if tensor.device == self.wire else wire_buffer(tensor, self.wire)
+        self.wait(self.world.recv([landing], src, 0), src)
+        return land(tensor, landing)
 
     def recv_many(self, tensors: list[torch.Tensor], src: int) -> None:
         """Receive into each of ``tensors`` in order from ``src``, all receives posted at once."""
-        works = [self.world.recv([t], src, 0) for t in tensors]
+        landings = [t if t.device == self.wire else wire_buffer(t, self.wire) for t in tensors]
+        works = [self.world.recv([t], src, 0) for t in landings]
         for work in works:
             self.wait(work, src)
+        for tensor, landing in zip(tensors, landings, strict=True):
+            land(tensor, landing)
 
-    def wait(self, work: dist.Work, peer: int = -1) -> None:
+    def _collective_on(self, tensor: torch.Tensor, start: Any) -> Waitable:
+        """Start ``start([wire tensor])`` on ``tensor``, or on a wire copy of it that waiting
+        copies back (`StagedWork`)."""
+        if tensor.device == self.wire:
+            return start([tensor])
+        staged = to_wire(tensor, self.wire)
+        return StagedWork(start([staged]), staged, tensor)
+
+    def wait(self, work: Waitable, peer: int = -1) -> None:
         """Wait for ``work``, noting whom we wait for (see `waiting_on`).
 
         Raises:
@@ -500,7 +567,7 @@ class StageComm:
         finally:
             self._blocked_on = None
 
-    def _wait_collective(self, work: dist.Work) -> None:
+    def _wait_collective(self, work: Waitable) -> None:
         """Block on a Gloo collective until it completes or this worker's groups are closed.
 
         See [Note: tearing down on failure]: cutting the connections wakes a waiter, except
@@ -560,7 +627,7 @@ class StageComm:
             header[2] = len(tensors) if isinstance(value, tuple) else 0
             header[3] = int(tensor.requires_grad)
             header[4 : 4 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-            self.isend(header.to(self.device), dst)
+            self.isend(header.to(self.wire), dst)
             self.isend(tensor.detach(), dst)
 
     def recv_activation(self, src: int) -> Activation:
@@ -573,7 +640,7 @@ class StageComm:
         count = 1
         first_size: int | None = None
         while len(tensors) < count:
-            header = self.recv(torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device), src)
+            header = self.recv(torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.wire), src)
             meta = header.tolist()
             ndim, code, size, grad = meta[:4]
             shape = meta[4 : 4 + ndim]
@@ -621,7 +688,7 @@ class StageComm:
 
     # -- collectives -----------------------------------------------------------------------
 
-    def allreduce_stage(self, tensor: torch.Tensor) -> dist.Work | None:
+    def allreduce_stage(self, tensor: torch.Tensor) -> Waitable | None:
         """Start a sum all-reduce of ``tensor`` across this stage's replicas (None if alone).
 
         Raises:
@@ -631,7 +698,7 @@ class StageComm:
             raise RuntimeError("process group used after close()")
         if self._stage is None:
             return None
-        return self._stage.allreduce([tensor])
+        return self._collective_on(tensor, self._stage.allreduce)
 
     def broadcast_stage(self, tensor: torch.Tensor, root: int) -> None:
         """Overwrite ``tensor`` with replica ``root``'s, across this stage's replicas; blocks.
@@ -646,9 +713,10 @@ class StageComm:
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         opts.rootTensor = 0
-        self.wait(self._stage.broadcast([tensor], opts))
+        stage = self._stage
+        self.wait(self._collective_on(tensor, lambda ts: stage.broadcast(ts, opts)))
 
-    def allreduce_tied(self, tensor: torch.Tensor) -> dist.Work:
+    def allreduce_tied(self, tensor: torch.Tensor) -> Waitable:
         """Start a sum all-reduce of ``tensor`` over the holders of this worker's tied parameters.
 
         Raises:
@@ -656,11 +724,11 @@ class StageComm:
         """
         if self.closed or self._tied is None:
             raise RuntimeError("no tied group in this generation (closed, or nothing shared)")
-        return self._tied.allreduce([tensor])
+        return self._collective_on(tensor, self._tied.allreduce)
 
     def barrier(self) -> None:
         """Block until every worker of the generation reaches this point."""
-        self.wait(self.world.allreduce([torch.zeros(1, device=self.device)]))
+        self.wait(self.world.allreduce([torch.zeros(1, device=self.wire)]))
 
     # -- lifecycle -------------------------------------------------------------------------
 

@@ -32,11 +32,10 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from parallelism.comm import Activation, StageComm
+from parallelism.comm import Activation, StageComm, Waitable
 from parallelism.progress import Progress, progress_for
 from parallelism.schedule import Op, Schedule
 from parallelism.topology import Topology
@@ -368,7 +367,7 @@ class StageEngine:
                 p.grad = torch.zeros_like(p)
         replicas = self.topology.replicas
         own = [p.grad for p in self.params if p.grad is not None]
-        works: list[tuple[dist.Work | None, torch.Tensor, list[torch.Tensor]]] = []
+        works: list[tuple[Waitable | None, torch.Tensor, list[torch.Tensor]]] = []
         overlap, self._overlap = self._overlap, None
         if replicas > 1 and own:
             assert comm is not None
@@ -420,7 +419,7 @@ class _Overlap:
     comm: StageComm
     ready: list[int]
     """Per bucket, how many of its gradients are final."""
-    works: list[dist.Work | None] = field(default_factory=list)
+    works: list[Waitable | None] = field(default_factory=list)
     """The launched all-reduces, in bucket order."""
 
     def launch(self, buckets: Sequence[_Bucket], *, everything: bool = False) -> None:

@@ -4,7 +4,11 @@ A worker never carries a random stream across steps. Its initial weights are dra
 ``derive_seed(seed, "init", stage)`` and its per-step randomness (dropout, sampling) from
 ``derive_seed(seed, "step", stage, replica, step)``. So the RNG state of a worker is fully
 determined by the step number, and a rebuilt worker needs no RNG bytes to continue
-bit-exactly -- only the step, which it receives with its state.
+bit-exactly -- only the step, which it receives with its state. The same holds on a GPU:
+`seed_everything` goes through ``torch.manual_seed``, which seeds every CUDA device's
+generator too (its Philox offset back to 0), so what a worker computing on CUDA draws
+(``torch.cuda.get_rng_state``) is a function of the step as well, and a state transfer or
+a snapshot carries no CUDA RNG bytes either (tests/test_devices.py).
 """
 
 from __future__ import annotations

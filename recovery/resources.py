@@ -2,7 +2,8 @@
 
 A worker's ask is a mapping of Ray resource names to amounts, the same for every worker
 and every hot spare. By default a worker asks for no CPU (several workers share a node and
-set their own torch threads) and, under NCCL, one GPU -- so on CPUs the scheduler never
+set their own torch threads) and, under NCCL, one GPU (a small share of one when Gloo
+workers compute on CUDA, see [Note: a GPU shared over Gloo]) -- so on CPUs the scheduler never
 sees a full node. Asking for what a worker really uses (``{"CPU": 1}``) lets Ray, and this
 library, see when a replacement has no room: the start then fails after
 ``RecoveryPolicy(replace_timeout_s=...)`` naming the workers it could not place, instead of
@@ -17,6 +18,7 @@ from collections.abc import Mapping
 
 __all__ = [
     "BUILTIN_RESOURCES",
+    "SHARED_GPU",
     "actor_options",
     "describe",
     "fits",
@@ -28,15 +30,34 @@ BUILTIN_RESOURCES = ("CPU", "GPU", "memory")
 that some node must declare (``ray start --resources``)."""
 
 
-def worker_ask(resources: Mapping[str, object] | None, backend: str) -> dict[str, float]:
+SHARED_GPU = 0.05
+"""A Gloo worker computing on CUDA asks for this much of a GPU by default (up to 20
+workers share one; see [Note: a GPU shared over Gloo])."""
+
+# [Note: a GPU shared over Gloo]
+# Under ``backend="gloo", device="cuda"`` (parallelism/devices.py) workers compute on a GPU
+# but talk over host memory, so several of them may share one GPU -- the reason the mode
+# exists (NCCL refuses two ranks on one device). Each still asks Ray for a *fraction* of a
+# GPU, never none: Ray shows a worker only the GPUs it was given (CUDA_VISIBLE_DEVICES), so
+# a worker that asks for no GPU sees none, and a fraction is also what lets Ray count how
+# many workers a GPU holds. The default fraction is small (`SHARED_GPU`): Ray packs
+# fractional asks onto one GPU before the next, so a one-GPU machine holds a 2x2 job with
+# its hot spares and replacements. To spread workers over several GPUs, ask for a larger
+# share (``worker_resources={"GPU": 0.5}``: two per GPU); ``GPU`` 0 is refused.
+
+
+def worker_ask(
+    resources: Mapping[str, object] | None, backend: str, device: str | None = None
+) -> dict[str, float]:
     """Each worker's ask: ``resources`` checked, with the defaults filled in (no CPU; one
-    GPU under NCCL). Amounts of 0 are dropped.
+    GPU under NCCL; `SHARED_GPU` of one under Gloo with ``device="cuda"``). Amounts of 0
+    are dropped.
 
     Raises:
         ValueError: for a mapping that is not one, a name that is not a non-empty string
             (or a mis-cased built-in, ``"cpu"``), an amount that is not a finite number
             >= 0 (``bool`` included), a fractional amount above 1 (Ray accepts only whole
-            numbers there), or ``GPU`` 0 under NCCL.
+            numbers there), or ``GPU`` 0 under NCCL or with ``device="cuda"``.
     """
     if resources is None:
         resources = {}
@@ -70,6 +91,14 @@ def worker_ask(resources: Mapping[str, object] | None, backend: str) -> dict[str
         if ask.get("GPU", 1.0) == 0:
             raise ValueError("backend 'nccl' needs a GPU per worker: worker_resources['GPU'] is 0")
         ask.setdefault("GPU", 1.0)
+    elif device == "cuda":
+        if ask.get("GPU", SHARED_GPU) == 0:
+            raise ValueError(
+                "device 'cuda' needs a share of a GPU per worker: worker_resources['GPU'] "
+                "is 0, and Ray shows a worker that asks for no GPU none (see [Note: a GPU "
+                "shared over Gloo] in recovery/resources.py)"
+            )
+        ask.setdefault("GPU", SHARED_GPU)
     return {name: value for name, value in ask.items() if value > 0}
 
 

@@ -89,12 +89,14 @@ class TableWorker(StageWorker):
         topology: Topology,
         rank: int,
         backend: str,
+        device: str | None = None,
         mirror: MirrorPlan | None = None,
     ) -> float:
         """Build the shard and dense replica at their initial state. Returns seconds taken.
 
         Raises:
-            ValueError: if the spec has no tables, or the backend is not Gloo.
+            ValueError: if the spec has no tables, or the backend is not Gloo, or the
+                device is not the CPU.
         """
         start = time.perf_counter()
         if spec.tables is None:
@@ -103,6 +105,8 @@ class TableWorker(StageWorker):
             raise ValueError(
                 f"sharded embedding tables train on the CPU over Gloo, not {backend!r}"
             )
+        if device not in (None, "cpu"):
+            raise ValueError(f"sharded embedding tables train on the CPU, not on {device!r}")
         self.topology = topology
         self.rank = rank
         coords = topology.worker(rank)
@@ -211,11 +215,13 @@ class TableWorker(StageWorker):
             rank=self.rank, step=self.step, ok=True, stats=StepStats(loss_sum=loss, losses=1)
         )
 
-    def warm(self, spec: TrainSpec, topology: Topology, backend: str) -> float:
+    def warm(
+        self, spec: TrainSpec, topology: Topology, backend: str, device: str | None = None
+    ) -> float:
         """A hot spare's one-time costs: build a shard and a dense replica, and run the
         dense part forward and backward once."""
         start = time.perf_counter()
-        self.setup(spec, topology, 0, backend)
+        self.setup(spec, topology, 0, backend, device)
         batch = cast(ClickBatch, spec.batches(0, 0, topology.replicas))
         config = self.table.config
         embeddings = torch.zeros(len(batch), config.num_tables, config.embedding_dim)

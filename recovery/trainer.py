@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from parallelism.comm import BACKENDS, default_backend
+from parallelism.devices import check_device
 from parallelism.topology import Topology
 from recovery.events import RecoveryEvent
 from recovery.faults import FailureSchedule
@@ -99,6 +100,12 @@ class Trainer:
         policy: what to do when workers die (default: the recovery hierarchy).
         failures: faults to inject (tests, experiments, demos).
         backend: ``"gloo"`` or ``"nccl"``; default: ``nccl`` if CUDA is available.
+        device: what each worker computes on: ``"cpu"``, ``"cuda"`` (the GPU Ray gives it),
+            or None (default): the backend's own -- CPU under Gloo, the worker's GPU under
+            NCCL. ``backend="gloo", device="cuda"`` computes on CUDA and communicates over
+            Gloo, staged through pinned host memory: several workers may then share one
+            GPU (each asks Ray for a share of one, see recovery/resources.py). See
+            parallelism/devices.py.
         run_dir: a folder for metrics, events, summary and plot (created); None: none.
         progress: show a progress bar.
         eval_every: evaluate held-out loss every this many steps (0: never).
@@ -125,6 +132,7 @@ class Trainer:
         policy: RecoveryPolicy | None = None,
         failures: FailureSchedule | None = None,
         backend: str | None = None,
+        device: str | None = None,
         run_dir: str | os.PathLike[str] | None = None,
         progress: bool = False,
         eval_every: int = 0,
@@ -140,12 +148,18 @@ class Trainer:
         backend = backend or default_backend()
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+        check_device(backend, device)
+        if spec.tables is not None and device not in (None, "cpu"):
+            raise ValueError(
+                f"sharded embedding tables (TrainSpec.dlrm) train on the CPU, not on "
+                f"device {device!r}: leave device unset or 'cpu'"
+            )
         for name, value in (("eval_every", eval_every), ("eval_batches", eval_batches)):
             if value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
         if threads_per_worker < 1:
             raise ValueError(f"threads_per_worker must be >= 1, got {threads_per_worker}")
-        resources = worker_ask(worker_resources, backend)
+        resources = worker_ask(worker_resources, backend, device)
         policy = RecoveryPolicy() if policy is None else policy
         if not isinstance(policy, RecoveryPolicy):
             raise ValueError(f"policy must be a RecoveryPolicy, got {type(policy).__name__}")
@@ -168,6 +182,7 @@ class Trainer:
         self.policy = policy
         self.failures = failures
         self.backend = backend
+        self.device = device
         self.run_dir = RunDir(run_dir) if run_dir is not None else None
         self.progress = progress
         self.collect_states = collect_states
@@ -175,6 +190,7 @@ class Trainer:
         """The job while `fit` trains (between the first generation and the last commit)."""
         self.config = ControllerConfig(
             backend=backend,
+            device=device,
             threads_per_worker=threads_per_worker,
             worker_resources=resources,
             eval_every=eval_every,
@@ -325,6 +341,7 @@ class Trainer:
             },
             "topology": {"stages": self.topology.stages, "replicas": self.topology.replicas},
             "backend": self.backend,
+            "device": self.device,
             "steps": steps,
             "policy": {
                 f.name: repr(getattr(self.policy, f.name)) for f in dataclasses.fields(self.policy)

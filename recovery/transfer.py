@@ -5,8 +5,9 @@ state and its step counter. The source sends a small description first (names, s
 dtypes, optimizer hyper-parameters, the step; JSON, see `recovery.wire`: nothing received
 is unpickled, and every shape is checked before it is allocated), then every tensor as-is; the
 destination receives each tensor straight into its own parameter or a freshly allocated
-optimizer buffer -- no flattening copy on either side. RNG state needs no bytes: every
-random draw is derived from ``(seed, stage, replica, step)`` (see ``parallelism/seeding.py``).
+optimizer buffer -- no flattening copy on either side. RNG state needs no bytes, the CUDA
+generators' included: every random draw is derived from ``(seed, stage, replica, step)``
+(see ``parallelism/seeding.py``).
 
 [Note: checked transfers]
 Every transfer carries the sender's fingerprint of what it sends: the description holds a

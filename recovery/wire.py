@@ -192,8 +192,8 @@ def tensor_spec(shape: object, dtype: object) -> tuple[tuple[int, ...], torch.dt
 def send_header(comm: StageComm, dst: int, obj: Any) -> int:
     """Post ``obj``'s header (its length, then its bytes) to ``dst``; returns the bytes."""
     blob = torch.frombuffer(bytearray(encode(obj)), dtype=torch.uint8)
-    comm.isend(torch.tensor([blob.numel()], dtype=torch.int64, device=comm.device), dst)
-    comm.isend(blob.to(comm.device), dst)
+    comm.isend(torch.tensor([blob.numel()], dtype=torch.int64, device=comm.wire), dst)
+    comm.isend(blob.to(comm.wire), dst)
     return int(blob.numel())
 
 
@@ -203,8 +203,8 @@ def recv_header(comm: StageComm, src: int) -> tuple[Any, int]:
     Raises:
         GarbledMessage: for a length out of bounds or bytes that do not decode.
     """
-    size = int(comm.recv(torch.empty(1, dtype=torch.int64, device=comm.device), src).item())
+    size = int(comm.recv(torch.empty(1, dtype=torch.int64, device=comm.wire), src).item())
     if not 0 < size <= MAX_HEADER_BYTES:
         raise GarbledMessage(f"a wire header length of {size} bytes from rank {src}")
-    blob = comm.recv(torch.empty(size, dtype=torch.uint8, device=comm.device), src)
+    blob = comm.recv(torch.empty(size, dtype=torch.uint8, device=comm.wire), src)
     return decode(blob.cpu().numpy().tobytes()), size

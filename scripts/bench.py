@@ -414,6 +414,8 @@ def recovery(args: argparse.Namespace) -> None:
                 policy=policy,
                 failures=FailureSchedule(faults),
                 collect_states=False,
+                backend=args.backend,
+                device=args.device,
             ).fit(steps)
             (event,) = result.events
             step_s = statistics.median(m["step_s"] for m in result.metrics)
@@ -739,6 +741,15 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--presets", default="small,medium", help="model presets, comma-separated")
     r.add_argument("--stages", type=int, default=4, help="pipeline stages")
     r.add_argument("--replicas", type=int, default=2, help="data-parallel replicas")
+    r.add_argument(
+        "--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if CUDA, else gloo"
+    )
+    r.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="what workers compute on (default: the backend's own; gloo + cuda: a shared GPU)",
+    )
     r.add_argument(
         "--seq-len", type=int, default=64, help="tokens per sample (small, to keep steps short)"
     )

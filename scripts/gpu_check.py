@@ -7,16 +7,17 @@ The checks: a 2x2 job equals single-process training (deterministic algorithms o
 tolerance is printed); a kill mid-pipeline and one during the gradient all-reduce end
 ``torch.equal`` to an uninterrupted run; a hung worker is detected and replaced, and the
 job ends equal too; ``bench.py recovery`` on the device. A 2x2 job over NCCL needs four
-GPUs (NCCL refuses two ranks on one device); with fewer, the job needs compute on CUDA
-with Gloo communication (issue 15 item 5), which is not built yet: the script says so
-and skips the checks. Without a GPU (and without ``--cpu``) it says so and exits 0.
-Exit status: 0 when every check that ran passed, 1 otherwise.
+GPUs (NCCL refuses two ranks on one device); with one to three the checks run in mode 5,
+compute on CUDA with Gloo communication (``Trainer(backend="gloo", device="cuda")``: the
+workers share the GPUs, each staging what it sends through pinned host memory). Workers
+computing on CUDA turn deterministic algorithms on themselves (parallelism/devices.py).
+Without a GPU (and without ``--cpu``) it says so and exits 0. Exit status: 0 when every
+check that ran passed, 1 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
@@ -40,34 +41,48 @@ LOSS_RTOL = 1e-5
 (microbatches, the all-reduce), so equal to rounding only."""
 
 
-def _backend(args: argparse.Namespace) -> str | None:
-    """The backend to check, or None (with the reason printed) when there is none."""
-    if args.cpu:
-        return "gloo"
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+Mode = tuple[str, str]
+"""(backend, device) a check runs with."""
+
+
+def choose_mode(gpus: int, cpu: bool = False) -> Mode | None:
+    """What the checks run on: ``--cpu``: Gloo on the CPU; no GPU: nothing (None); fewer
+    GPUs than the job's workers: mode 5, Gloo with CUDA compute; else NCCL."""
+    if cpu:
+        return ("gloo", "cpu")
     if gpus == 0:
-        print("gpu_check: no GPU found (torch.cuda.is_available() is False); nothing to check")
         return None
     if gpus < TOP.world_size:
+        return ("gloo", "cuda")
+    return ("nccl", "cuda")
+
+
+def _mode(args: argparse.Namespace) -> Mode | None:
+    """The mode to check, or None (with the reason printed) when there is none."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    mode = choose_mode(gpus, args.cpu)
+    if mode is None:
+        print("gpu_check: no GPU found (torch.cuda.is_available() is False); nothing to check")
+    elif mode == ("gloo", "cuda"):
         print(
-            f"gpu_check: {gpus} GPU(s) found, a {TOP.stages}x{TOP.replicas} job over NCCL needs "
-            f"{TOP.world_size}, and compute on CUDA over Gloo (issue 15 item 5) is not built "
-            "yet: nothing to check"
+            f"gpu_check: {gpus} GPU(s): {torch.cuda.get_device_name(0)}; a "
+            f"{TOP.stages}x{TOP.replicas} job over NCCL needs {TOP.world_size}, so mode 5: "
+            "backend gloo, device cuda (workers share the GPU)"
         )
-        return None
-    print(f"gpu_check: {gpus} GPU(s): {torch.cuda.get_device_name(0)}; backend nccl")
-    return "nccl"
+    elif mode[0] == "nccl":
+        print(f"gpu_check: {gpus} GPU(s): {torch.cuda.get_device_name(0)}; backend nccl")
+    return mode
 
 
-def _fit(backend: str, failures: FailureSchedule | None = None, **policy: object) -> object:
-    torch.use_deterministic_algorithms(True)
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+def _fit(mode: Mode, failures: FailureSchedule | None = None, **policy: object) -> object:
+    backend, device = mode
     trainer = Trainer(
         mlp_spec(),
         topology=TOP,
         policy=RecoveryPolicy(**policy),  # type: ignore[arg-type]
         failures=failures,
         backend=backend,
+        device=device,
     )
     return trainer.fit(STEPS)
 
@@ -83,7 +98,7 @@ def _equal_states(a: object, b: object) -> bool:
     return True
 
 
-def check_equivalence(backend: str, clean: object) -> tuple[bool, str]:
+def check_equivalence(mode: Mode, clean: object) -> tuple[bool, str]:
     ref = train_reference(mlp_spec(), stages=TOP.stages, replicas=TOP.replicas, steps=STEPS)
     got = torch.tensor(clean.losses)  # type: ignore[attr-defined]
     want = torch.tensor(ref.losses)
@@ -91,19 +106,19 @@ def check_equivalence(backend: str, clean: object) -> tuple[bool, str]:
     return worst <= LOSS_RTOL, f"max relative loss difference {worst:.2e} (tolerance {LOSS_RTOL:g})"
 
 
-def check_kill(backend: str, clean: object, at: KillPoint) -> tuple[bool, str]:
+def check_kill(mode: Mode, clean: object, at: KillPoint) -> tuple[bool, str]:
     failures = FailureSchedule([Kill(step=3, stage=1, replica=0, at=at)])
-    run = _fit(backend, failures)
+    run = _fit(mode, failures)
     events = run.events  # type: ignore[attr-defined]
     same = _equal_states(run, clean)
     strategies = ",".join(str(e.strategy) for e in events)
     return same and len(events) == 1, f"{len(events)} recovery ({strategies}); torch.equal: {same}"
 
 
-def check_hang(backend: str, clean: object) -> tuple[bool, str]:
+def check_hang(mode: Mode, clean: object) -> tuple[bool, str]:
     failures = FailureSchedule([Hang(step=3, stage=1, replica=1, at=KillPoint.MID_PIPELINE)])
     start = time.monotonic()
-    run = _fit(backend, failures, hang_timeout_s=5.0)
+    run = _fit(mode, failures, hang_timeout_s=5.0)
     events = run.events  # type: ignore[attr-defined]
     hung = [e for e in events if getattr(e, "cause", "") == "hung"]
     same = _equal_states(run, clean)
@@ -111,9 +126,10 @@ def check_hang(backend: str, clean: object) -> tuple[bool, str]:
     return bool(hung) and same, f"{len(hung)} hang(s) detected, torch.equal: {same}, {took:.0f} s"
 
 
-def check_bench(backend: str, preset: str) -> tuple[bool, str]:
+def check_bench(mode: Mode, preset: str) -> tuple[bool, str]:
     cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "recovery", "--presets", preset]
     cmd += ["--stages", str(TOP.stages), "--replicas", str(TOP.replicas)]
+    cmd += ["--backend", mode[0], "--device", mode[1]]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=480)
     last = [line for line in done.stdout.splitlines() if line.strip()][-3:]
     return done.returncode == 0, " | ".join(last)[:300] or done.stderr[-300:]
@@ -128,18 +144,18 @@ def main() -> int:
         help="model preset for `bench.py recovery` (see bench.py; 'none' skips it)",
     )
     args = parser.parse_args()
-    backend = _backend(args)
-    if backend is None:
+    mode = _mode(args)
+    if mode is None:
         return 0
-    clean = _fit(backend)
+    clean = _fit(mode)
     checks: list[tuple[str, Callable[[], tuple[bool, str]]]] = [
-        ("2x2 equals single process", lambda: check_equivalence(backend, clean)),
-        ("kill mid-pipeline", lambda: check_kill(backend, clean, KillPoint.MID_PIPELINE)),
-        ("kill during all-reduce", lambda: check_kill(backend, clean, KillPoint.DURING_ALLREDUCE)),
-        ("hang detected and replaced", lambda: check_hang(backend, clean)),
+        ("2x2 equals single process", lambda: check_equivalence(mode, clean)),
+        ("kill mid-pipeline", lambda: check_kill(mode, clean, KillPoint.MID_PIPELINE)),
+        ("kill during all-reduce", lambda: check_kill(mode, clean, KillPoint.DURING_ALLREDUCE)),
+        ("hang detected and replaced", lambda: check_hang(mode, clean)),
     ]
     if args.bench_preset != "none":
-        checks.append(("bench.py recovery", lambda: check_bench(backend, args.bench_preset)))
+        checks.append(("bench.py recovery", lambda: check_bench(mode, args.bench_preset)))
     rows = []
     for name, check in checks:
         try:

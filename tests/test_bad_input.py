@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from parallelism import Topology
 from recovery import RecoveryPolicy, Trainer, TrainSpec
@@ -152,3 +153,14 @@ def test_nccl_on_a_cluster_without_gpus_says_what_is_missing(
     with pytest.raises(ValueError, match=r"needs one GPU per worker: the job needs 5 .* has 0"):
         group.check_capacity(5)
     ray_group.RayWorkerGroup(StageWorker, backend="gloo").check_capacity(5)  # no GPU needed
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_train_cli_device_cuda_without_cuda_makes_no_folder(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from recovery.cli.train import main
+
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=r"torch.cuda.is_available\(\) is False on the driver"):
+        main(["--backend", "gloo", "--device", "cuda", "--out", str(out), "--steps", "2",
+              "--failures", "none", "--no-progress"])  # fmt: skip
+    assert not out.exists()

@@ -1,4 +1,5 @@
-"""scripts/gpu_check.py on a machine without a GPU: it says so and exits 0 (CI has none)."""
+"""scripts/gpu_check.py: the mode it picks for the GPUs it finds, and on a machine without a
+GPU it says so and exits 0 (CI has none)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,18 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def test_one_to_three_gpus_run_in_mode_5_and_four_over_nccl() -> None:
+    """A 2x2 job over NCCL needs four GPUs (one rank per device); with fewer the checks run
+    with Gloo communication and CUDA compute (mode 5) instead of being skipped."""
+    from gpu_check import choose_mode
+
+    assert choose_mode(0) is None
+    assert [choose_mode(n) for n in (1, 2, 3)] == [("gloo", "cuda")] * 3
+    assert choose_mode(4) == ("nccl", "cuda") == choose_mode(8)
+    assert choose_mode(0, cpu=True) == ("gloo", "cpu") == choose_mode(4, cpu=True)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

@@ -341,6 +341,68 @@ def test_pack_reuses_a_spent_buffer() -> None:
     assert pack_state(module, optimizer, 4, out=small).data.data_ptr() != small.data_ptr()
 
 
+class _Event:
+    """Stands for the CUDA event of a copy from a GPU still in flight."""
+
+    def __init__(self) -> None:
+        self.synchronized = 0
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+
+
+def test_a_cpu_state_is_packed_synchronously_into_plain_memory() -> None:
+    packed = pack_state(*trained(0), step=3)
+    assert packed.ready is None and not packed.data.is_pinned()
+    assert packed.wait() is packed
+
+
+def test_every_reader_of_a_packed_copy_waits_for_the_copy_first() -> None:
+    """A copy from a GPU is queued into pinned memory asynchronously (`pack_state`): its
+    bytes are read only after `PackedState.wait` -- to check, restore or serve them."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from recovery.worker.keeper import SnapshotKeeper
+
+    module, optimizer = trained(0, steps=3)
+    packed = pack_state(module, optimizer, 3, digests=True)
+
+    pending = replace(packed, ready=_Event())
+    assert pending.corrupted() == () and pending.ready.synchronized == 1
+    unpack_state(pending, *make_worker(1))
+    assert pending.ready.synchronized == 2
+
+    pending = replace(packed, ready=_Event())
+    keeper = SnapshotKeeper()
+    keeper.peer.put(3, 5, pending)
+    seen: list[int] = []
+    comm = SimpleNamespace(
+        wire=torch.device("cpu"),
+        isend=lambda t, dst: seen.append(pending.ready.synchronized),
+        wait_sends=lambda: None,
+    )
+    keeper.send(comm, 3, 5, 1)  # type: ignore[arg-type]
+    assert seen == [1, 1, 1]  # waited before the first byte was handed over
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_gpu_state_is_packed_asynchronously_into_pinned_memory() -> None:
+    module, optimizer = trained(0, steps=3)
+    module.cuda()
+    optimizer.load_state_dict(optimizer.state_dict())  # moves the moments to the GPU
+    expected = snapshot(module, optimizer)
+    packed = pack_state(module, optimizer, 3)
+    assert packed.data.is_pinned() and packed.ready is not None
+    with torch.no_grad():  # queued after the copies: cannot leak into them
+        for p in module.parameters():
+            p.add_(1.0)
+    fresh, fresh_opt = make_worker(42)
+    fresh.cuda()
+    unpack_state(packed, fresh, fresh_opt)
+    assert_same(expected, snapshot(fresh, fresh_opt))
+
+
 def test_unpack_refuses_another_stage_before_changing_anything() -> None:
     packed = pack_state(*trained(0), step=3)
     other = nn.Sequential(nn.Linear(8, 8))

@@ -53,6 +53,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if CUDA, else gloo"
     )
+    g.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="what workers compute on (default: CPU under gloo, the GPU under nccl); "
+        "--backend gloo --device cuda: CUDA compute, Gloo communication (workers may share a GPU)",
+    )
     g = p.add_argument_group("model and data")
     g.add_argument(
         "--preset",
@@ -242,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         policy=policy,
         failures=failures,
         backend=args.backend,
+        device=args.device,
         run_dir=run_dir.path,
         progress=not args.no_progress,
         eval_every=args.eval_every,

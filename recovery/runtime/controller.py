@@ -114,6 +114,8 @@ class ControllerConfig:
     """How the controller runs the job (set by `Trainer`)."""
 
     backend: str
+    device: str | None = None
+    """The workers' compute device (parallelism/devices.py); None: the backend's own."""
     threads_per_worker: int = 1
     eval_every: int = 0
     eval_batches: int = 1
@@ -161,6 +163,7 @@ def _ray_group(layout: StateLayout, config: ControllerConfig) -> WorkerGroup:
         layout.worker_cls,
         threads=config.threads_per_worker,
         backend=config.backend,
+        device=config.device,
         resources=config.worker_resources,
         options=config.worker_options,
     )
@@ -244,7 +247,7 @@ class Controller:
         assert self.phase is Phase.STARTING
         self.tokens_per_step = self.spec.check(self.topology)
         self.layout = layout_for(self.spec, self.topology, self.policy, self.tokens_per_step)
-        self.layout.validate(self.config.backend)
+        self.layout.validate(self.config.backend, self.config.device)
         self.group = self.group or _ray_group(self.layout, self.config)
         self.group.check_capacity(self.topology.world_size + self.policy.hot_spares)
         self.members = Membership(
@@ -256,6 +259,7 @@ class Controller:
             self.ledger,
             host=self.group.store_host(),
             backend=self.config.backend,
+            device=self.config.device,
         )
         self.faults.check_nodes(len(self.members.job_nodes))
         self.persistence = Persistence(

@@ -51,16 +51,17 @@ class StateLayout:
         self.samples_per_step = samples_per_step
         """What `TrainSpec.check` returned: target elements (samples, tokens) per step."""
 
-    def validate(self, backend: str) -> None:
-        """Refuse, before any worker starts, a combination this layout cannot run.
+    def validate(self, backend: str, device: str | None = None) -> None:
+        """Refuse, before any worker starts, a combination this layout cannot run
+        (``device``: the compute device asked for, see parallelism/devices.py).
 
         Raises:
             ValueError: naming what does not combine.
         """
 
-    def setup_args(self, rank: int, backend: str) -> tuple[Any, ...]:
+    def setup_args(self, rank: int, backend: str, device: str | None = None) -> tuple[Any, ...]:
         """The arguments of worker ``rank``'s ``setup`` call."""
-        return (self.spec, self.topology, rank, backend)
+        return (self.spec, self.topology, rank, backend, device)
 
     def mirror_holders(self, ring: Mapping[int, int]) -> dict[int, int]:
         """Rank -> the rank mirroring its shard; empty when nothing is sharded."""
@@ -181,7 +182,7 @@ def _from_mirrors_only(plan: RecoveryPlan | None) -> bool:
 class ReplicatedStages(StateLayout):
     """Every replica of a stage holds the whole stage: a lost one is copied from a live one."""
 
-    def validate(self, backend: str) -> None:
+    def validate(self, backend: str, device: str | None = None) -> None:
         if self.policy.fingerprint_every and self.topology.replicas < 2:
             raise ValueError(
                 f"fingerprint_every={self.policy.fingerprint_every} needs two or more "
@@ -193,7 +194,7 @@ class Zero1Shards(StateLayout):
     """ZeRO-1: each stage's optimizer sharded over its replicas; replica ``r``'s shard is
     mirrored on replica ``r+1`` of the same stage (a fixed ring, see parallelism/zero.py)."""
 
-    def validate(self, backend: str) -> None:
+    def validate(self, backend: str, device: str | None = None) -> None:
         if self.policy.fingerprint_every:
             raise ValueError(
                 "fingerprint_every does not combine with shard_optimizer (ZeRO-1): the "
@@ -247,7 +248,7 @@ class ShardedTables(StateLayout):
             lookups_per_sample=spec.tables.config.num_tables, samples_per_step=samples_per_step
         )
 
-    def validate(self, backend: str) -> None:
+    def validate(self, backend: str, device: str | None = None) -> None:
         if self.policy.fingerprint_every:
             raise ValueError(
                 "fingerprint_every does not combine with sharded embedding tables: every "
@@ -257,9 +258,14 @@ class ShardedTables(StateLayout):
             raise ValueError(
                 f"sharded embedding tables train on the CPU over Gloo, not {backend!r}"
             )
+        if device not in (None, "cpu"):
+            raise ValueError(
+                f"sharded embedding tables (TrainSpec.dlrm) train on the CPU, not on "
+                f"device {device!r}: leave device unset or 'cpu'"
+            )
 
-    def setup_args(self, rank: int, backend: str) -> tuple[Any, ...]:
-        return (*super().setup_args(rank, backend), self.policy.mirrors.plan)
+    def setup_args(self, rank: int, backend: str, device: str | None = None) -> tuple[Any, ...]:
+        return (*super().setup_args(rank, backend, device), self.policy.mirrors.plan)
 
     def mirror_holders(self, ring: Mapping[int, int]) -> dict[int, int]:
         return dict(ring)

@@ -44,6 +44,7 @@ class Membership:
     Args:
         host: the address the controller's store listens on (and workers dial).
         backend: the workers' process-group backend.
+        device: the workers' compute device, as asked for (None: the backend's own).
     """
 
     def __init__(
@@ -57,6 +58,7 @@ class Membership:
         *,
         host: str,
         backend: str,
+        device: str | None = None,
     ) -> None:
         self.group = group
         self.spec = spec
@@ -66,6 +68,8 @@ class Membership:
         self.ledger = ledger
         self.host = host
         self.backend = backend
+        self.device = device
+        """The compute device asked for (parallelism/devices.py; None: the backend's own)."""
         self.store: Any = None
         """The current generation's store (workers leave fault times in it)."""
         self.generation = -1
@@ -169,7 +173,7 @@ class Membership:
         built = self.group.call(
             "setup",
             placement,
-            lambda rank: self.layout.setup_args(rank, self.backend),
+            lambda rank: self.layout.setup_args(rank, self.backend, self.device),
             timeout=self.policy.timeouts.start,
         )
         require(built, "build stages")
@@ -187,7 +191,7 @@ class Membership:
             node = min(nodes, key=lambda n: (load[n], nodes.index(n)))
             picks.append(node)
             load[node] += 1
-        warm = ("warm", (self.spec, self.topology, self.backend))
+        warm = ("warm", (self.spec, self.topology, self.backend, self.device))
         self.group.add_spares(picks, lambda: warm)
 
     def form_generation(self) -> float:

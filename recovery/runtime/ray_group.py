@@ -90,6 +90,8 @@ class RayWorkerGroup(WorkerGroup):
         worker_cls: the worker class (`StageWorker` or a subclass, from the state layout).
         threads: torch intra-op threads per worker.
         backend: ``"gloo"`` or ``"nccl"`` (an NCCL worker asks Ray for one GPU).
+        device: the workers' compute device (parallelism/devices.py; a Gloo worker on
+            ``"cuda"`` asks Ray for a share of a GPU, see recovery/resources.py).
         resources: what each worker (and hot spare) asks Ray for, as
             `recovery.resources.worker_ask` checks it; default: that function's default.
         options: extra ``.options()`` for every actor (tests).
@@ -104,13 +106,15 @@ class RayWorkerGroup(WorkerGroup):
         *,
         threads: int = 1,
         backend: str = "gloo",
+        device: str | None = None,
         resources: Mapping[str, float] | None = None,
         options: Mapping[str, Any] | None = None,
     ) -> None:
         self.worker_cls = worker_cls
         self.threads = threads
         self.backend = backend
-        self.ask = worker_ask(resources, backend)
+        self.device = device
+        self.ask = worker_ask(resources, backend, device)
         """What each worker asks Ray for (resource name -> amount)."""
         self.options = dict(options or {})
         self._actors: dict[int, Any] = {}
@@ -160,12 +164,14 @@ class RayWorkerGroup(WorkerGroup):
             self.worker_cls.__name__,
             self.threads,
             self.backend,
+            self.device,
             tuple(sorted(self.ask.items())),
             tuple(sorted(self.options.items())),
         )
 
     def _new_actor(self, node_id: str) -> Any:
-        # Under NCCL Ray sets CUDA_VISIBLE_DEVICES: the worker's GPU is cuda:0.
+        # With a GPU (or a share of one) asked for, Ray sets CUDA_VISIBLE_DEVICES: the
+        # worker's GPU is cuda:0.
         options: dict[str, Any] = {"max_restarts": 0, "max_task_retries": 0}
         options.update(actor_options(self.ask))
         options.update(self.options)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -69,10 +69,21 @@ class PackedState:
     """``optimizer.state_dict()`` with every tensor replaced by a reference into ``layout``."""
     digests: tuple[str, ...] | None = None
     """The digest of each slot's bytes when it was packed (None: not recorded)."""
+    ready: Any = field(default=None, compare=False, repr=False)
+    """A CUDA event recorded after the copies from the GPU into ``data`` were queued (None:
+    ``data`` is complete already); see `wait`."""
 
     @property
     def nbytes(self) -> int:
         return int(self.data.numel())
+
+    def wait(self) -> PackedState:
+        """Block until ``data`` holds the packed bytes: the copies from a GPU are queued
+        asynchronously into pinned host memory (`pack_state`), and must be finished before
+        ``data`` is read, sent or restored from. Returns ``self``."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self
 
     def header(self) -> bytes:
         """Everything but ``data``, encoded for the wire: send it first, then ``data``."""
@@ -83,6 +94,7 @@ class PackedState:
         packed (empty: intact, or no digests recorded)."""
         if self.digests is None:
             return ()
+        self.wait()
         return tuple(
             slot.name
             for slot, recorded in zip(self.layout, self.digests, strict=True)
@@ -180,6 +192,13 @@ def pack_state(
     default: that is where a buddy keeps it). The copy is taken now; later updates to
     the module or optimizer do not change it.
 
+    A state on a GPU is copied into *pinned* host memory asynchronously (``non_blocking``:
+    DMAs queued on the GPU's current stream, so the optimizer step queued after them cannot
+    leak in) and the result records a CUDA event: `PackedState.wait` blocks until the bytes
+    are there, and every reader calls it (`PackedState.corrupted`, `unpack_state`, the
+    keeper before it serves a copy). The training thread therefore does not wait for the
+    copy; the peer exchange thread does. A state on the CPU is copied as before.
+
     Args:
         out: a byte tensor to pack into (the data of a snapshot no longer needed) instead
             of allocating: copying into memory already touched is ~3x faster on CPU than
@@ -202,29 +221,46 @@ def pack_state(
         nbytes = t.numel() * t.element_size()
         layout.append(TensorSlot(name, tuple(t.shape), _dtype_name(t.dtype), offset, nbytes))
         offset += nbytes
+    gpu = _gpu_to_host(tensors, torch.device(device))
     usable = (
         out is not None
         and out.dtype == torch.uint8
         and out.dim() == 1
         and out.device == torch.device(device)
         and out.numel() >= offset
+        and (gpu is None or out.is_pinned())
     )
     data = (
         out[:offset]
         if out is not None and usable
-        else torch.empty(offset, dtype=torch.uint8, device=device)
+        else torch.empty(offset, dtype=torch.uint8, device=device, pin_memory=gpu is not None)
     )
     with torch.no_grad():
         for slot, (_, t) in zip(layout, tensors, strict=True):
             if slot.nbytes:
                 flat = t.detach().reshape(-1).view(torch.uint8)
-                data[slot.offset : slot.offset + slot.nbytes].copy_(flat)
-    recorded = (
-        tuple(digest(data[slot.offset : slot.offset + slot.nbytes]) for slot in layout)
-        if digests
-        else None
-    )
+                target = data[slot.offset : slot.offset + slot.nbytes]
+                target.copy_(flat, non_blocking=gpu is not None and flat.is_cuda)
+    ready = None
+    if gpu is not None:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(gpu))
+    packed = PackedState(step, data, tuple(layout), model_tensors, optimizer_desc, None, ready)
+    if not digests:
+        return packed
+    packed.wait()  # the digests read the bytes
+    recorded = tuple(digest(data[slot.offset : slot.offset + slot.nbytes]) for slot in layout)
     return PackedState(step, data, tuple(layout), model_tensors, optimizer_desc, recorded)
+
+
+def _gpu_to_host(
+    tensors: list[tuple[str, torch.Tensor]], device: torch.device
+) -> torch.device | None:
+    """The GPU a state is copied from when it is packed into host memory (None: no copy
+    from a GPU, the plain synchronous path)."""
+    if device.type != "cpu":
+        return None
+    return next((t.device for _, t in tensors if t.is_cuda), None)
 
 
 def unpack_state(packed: PackedState, module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -235,6 +271,7 @@ def unpack_state(packed: PackedState, module: nn.Module, optimizer: torch.optim.
         ValueError: if ``packed`` is another stage's or model's state (different names,
             shapes, dtypes or parameter groups), before anything is changed.
     """
+    packed.wait()
     model = module.state_dict()
     expected = [(k, tuple(v.shape), _dtype_name(v.dtype)) for k, v in model.items()]
     got = [(s.name, s.shape, s.dtype) for s in packed.layout[: packed.model_tensors]]

@@ -115,6 +115,7 @@ class SnapshotKeeper:
         header = torch.frombuffer(bytearray(packed.header()), dtype=torch.uint8)
         sizes = torch.tensor([header.numel(), packed.nbytes], dtype=torch.int64)
         try:
+            packed.wait()  # a copy from a GPU may still be in flight (this thread waits)
             works = comm.side_isend([sizes, header, packed.data], buddy)
             theirs = _checked_sizes(comm.side_recv(torch.empty(2, dtype=torch.int64), ward), ward)
             their_header = comm.side_recv(torch.empty(int(theirs[0]), dtype=torch.uint8), ward)
@@ -133,20 +134,20 @@ class SnapshotKeeper:
     def send(self, comm: StageComm, step: int, ward: int, dst: int) -> int:
         """Send the held copy of ``ward`` at ``step`` to ``dst`` over the main group.
         Returns bytes sent."""
-        packed = self.peer.get(step, ward)
+        packed = self.peer.get(step, ward).wait()
         header = torch.frombuffer(bytearray(packed.header()), dtype=torch.uint8)
         sizes = torch.tensor([header.numel(), packed.nbytes], dtype=torch.int64)
         for t in (sizes, header, packed.data):
-            comm.isend(t.to(comm.device), dst)
+            comm.isend(t.to(comm.wire), dst)
         comm.wait_sends()
         return int(header.numel() + packed.nbytes)
 
     def receive(self, comm: StageComm, src: int) -> PackedState:
         """The packed copy that ``src`` sends (`send`), on the CPU."""
-        sizes = comm.recv(torch.empty(2, dtype=torch.int64, device=comm.device), src).cpu()
+        sizes = comm.recv(torch.empty(2, dtype=torch.int64, device=comm.wire), src).cpu()
         sizes = _checked_sizes(sizes, src)
-        header = comm.recv(torch.empty(int(sizes[0]), dtype=torch.uint8, device=comm.device), src)
-        data = comm.recv(torch.empty(int(sizes[1]), dtype=torch.uint8, device=comm.device), src)
+        header = comm.recv(torch.empty(int(sizes[0]), dtype=torch.uint8, device=comm.wire), src)
+        data = comm.recv(torch.empty(int(sizes[1]), dtype=torch.uint8, device=comm.wire), src)
         return PackedState.from_parts(header.cpu().numpy().tobytes(), data.cpu())
 
     # -- the durable tier ----------------------------------------------------------------

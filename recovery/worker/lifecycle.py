@@ -14,7 +14,8 @@ import time
 
 import torch
 
-from parallelism.comm import Rendezvous, StageComm, device_for
+from parallelism.comm import Rendezvous, StageComm
+from parallelism.devices import compute_device, deterministic_cuda
 from parallelism.engine import StageEngine
 from parallelism.schedule import build_schedule, forward_only, swapped_routes
 from parallelism.topology import Topology
@@ -67,8 +68,23 @@ class WorkerLifecycle:
 
     # -- lifecycle -----------------------------------------------------------------------
 
-    def setup(self, spec: TrainSpec, topology: Topology, rank: int, backend: str) -> float:
-        """Build the stage module and optimizer at their initial state. Returns seconds taken."""
+    def setup(
+        self,
+        spec: TrainSpec,
+        topology: Topology,
+        rank: int,
+        backend: str,
+        device: str | None = None,
+    ) -> float:
+        """Build the stage module and optimizer at their initial state. Returns seconds taken.
+
+        ``device``: what the user asked to compute on (`parallelism.devices`; None: the
+        backend's own). On CUDA the worker's algorithms are made deterministic first, before
+        its first CUDA work (`parallelism.devices.deterministic_cuda`).
+
+        Raises:
+            ValueError: for a device this worker cannot compute on (no GPU visible).
+        """
         start = time.perf_counter()
         self.topology = topology
         self.rank = rank
@@ -76,7 +92,10 @@ class WorkerLifecycle:
         self.stage, self.replica = coords.stage, coords.replica
         self.spec = spec = guard_callbacks(spec, self)
         self.backend = backend
-        self.device = device_for(backend)
+        self.device = compute_device(backend, device)
+        self.device_choice = device
+        if self.device.type == "cuda":
+            deterministic_cuda()
         self.module = spec.build(self.stage, topology.stages).to(self.device)
         shared = spec.shared_params(self.stage, topology.stages) if spec.shared_params else []
         self.shared_names = list(shared)
@@ -164,6 +183,7 @@ class WorkerLifecycle:
             bind_host,
             side_group=side_group,
             tied=self._tied_ranks(),
+            device=self.device,
         )
         self.generation = generation
         self.buddy, self.ward = buddy, ward
@@ -188,11 +208,13 @@ class WorkerLifecycle:
         self.generation = -1
         self.step = 0
 
-    def warm(self, spec: TrainSpec, topology: Topology, backend: str) -> float:
+    def warm(
+        self, spec: TrainSpec, topology: Topology, backend: str, device: str | None = None
+    ) -> float:
         """Pay a worker's one-time costs ahead of need (a hot spare): build a stage, run an
         optimizer step, form a one-worker process group. Returns seconds taken."""
         start = time.perf_counter()
-        self.setup(spec, topology, 0, backend)
+        self.setup(spec, topology, 0, backend, device)
         inputs, _ = spec.split(spec.batches(0, 0, topology.replicas), step=0, replica=0)
         out = self.module(inputs[0].to(self.device))  # autograd's first use is slow too
         out.float().sum().backward()
