@@ -266,7 +266,9 @@ def test_a_state_transfer_hands_the_backend_the_state_where_it_lives() -> None:
     modules[0](torch.randn(2, 8)).sum().backward()
     optimizers[0].step()
     with ThreadPoolExecutor(1) as pool:
-        sent = pool.submit(send_state, comms[0], 1, modules[0], optimizers[0], 1)
+        # local=False: on one host a Gloo transfer on the CPU would skip the backend
+        # altogether (recovery/same_host.py); this is about what the backend is handed.
+        sent = pool.submit(send_state, comms[0], 1, modules[0], optimizers[0], 1, local=False)
         step, _, _ = recv_state(comms[1], 0, modules[1], optimizers[1])
         sent.result(timeout=30)
     for c in comms:
