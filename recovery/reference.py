@@ -41,6 +41,7 @@ def train_reference(
     replicas: int,
     steps: int,
     accumulate: int = 1,
+    device: str | torch.device = "cpu",
 ) -> ReferenceResult:
     """Train ``spec``'s ``stages`` stages as one model in this process.
 
@@ -49,21 +50,31 @@ def train_reference(
     ``microbatches`` microbatches per replica and the gradient averaged over replicas).
     With ``accumulate=k`` the global batch runs as k equal chunks whose gradients add up
     (gradient accumulation: the same arithmetic shapes as k microbatches).
+
+    ``device``: where the model trains (each stage is built on the CPU from its seed, then
+    moved there, as a worker does); on the CPU nothing is moved. The returned states are
+    on the CPU either way. The caller turns on deterministic algorithms for CUDA if it
+    wants them (`parallelism.devices.deterministic_cuda`).
+
+    Raises:
+        ValueError: for a spec with sharded tables, or a last stage that does not return
+            one tensor.
     """
     if spec.tables is not None:
         raise ValueError(
             "the pipeline reference does not train sharded tables; "
             "parallelism.dlrm.DLRM is their single-process reference"
         )
-    modules = [spec.build(s, stages) for s in range(stages)]
+    where = torch.device(device)
+    modules = [spec.build(s, stages).to(where) for s in range(stages)]
     optimizers = [spec.make_optimizer(m.parameters()) for m in modules]
     base_lrs = [[g["lr"] for g in opt.param_groups] for opt in optimizers]
     result = ReferenceResult(losses=[], states=[])
     for step in range(steps):
         start = time.perf_counter()
         batches = [cast(Batch, spec.batches(step, r, replicas)) for r in range(replicas)]
-        inputs = torch.cat([b[0] for b in batches])
-        targets = torch.cat([b[1] for b in batches])
+        inputs = torch.cat([b[0] for b in batches]).to(where)
+        targets = torch.cat([b[1] for b in batches]).to(where)
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         seed_everything(spec.seed, "step", 0, 0, step)
@@ -86,6 +97,8 @@ def train_reference(
             norms.append(clipped)
             apply_lr_schedule(opt, spec.lr_schedule, step, lrs)
             opt.step()
+        if where.type == "cuda":  # the optimizer step may still be queued: time it too
+            torch.cuda.synchronize(where)
         result.losses.append(total)
         result.grad_norms.append(norms)
         result.step_s.append(time.perf_counter() - start)

@@ -3,16 +3,20 @@
     python scripts/gpu_check.py          # on a machine with GPUs
     python scripts/gpu_check.py --cpu    # the same checks over Gloo on the CPU (the script's logic)
 
-The checks: a 2x2 job equals single-process training (deterministic algorithms on; the
-tolerance is printed); a kill mid-pipeline and one during the gradient all-reduce end
-``torch.equal`` to an uninterrupted run; a hung worker is detected and replaced, and the
-job ends equal too; ``bench.py recovery`` on the device. A 2x2 job over NCCL needs four
-GPUs (NCCL refuses two ranks on one device); with one to three the checks run in mode 5,
-compute on CUDA with Gloo communication (``Trainer(backend="gloo", device="cuda")``: the
-workers share the GPUs, each staging what it sends through pinned host memory). Workers
-computing on CUDA turn deterministic algorithms on themselves (parallelism/devices.py).
-Without a GPU (and without ``--cpu``) it says so and exits 0. Exit status: 0 when every
-check that ran passed, 1 otherwise.
+The checks: a 2x2 job equals single-process training on the same device
+(`recovery.reference.train_reference`; deterministic algorithms on; the tolerance is
+printed); a kill mid-pipeline and one during the gradient all-reduce end ``torch.equal``
+to an uninterrupted run; a hung worker is detected and replaced, and the job ends equal
+too; ``bench.py recovery`` on the device, at about 100 MB of parameters (`BENCH_PRESET`).
+A 2x2 job over NCCL needs four GPUs (NCCL refuses two ranks on one device); with one to
+three the checks run in mode 5, compute on CUDA with Gloo communication
+(``Trainer(backend="gloo", device="cuda")``: the workers share the GPUs, each staging
+what it sends through pinned host memory). Workers computing on CUDA turn deterministic
+algorithms on themselves (parallelism/devices.py), and so does this driver for the
+single-process run. The whole script has a time budget (`BUDGET_S`, ``--budget-s``): a
+check that would start after it is listed as not run. Without a GPU (and without
+``--cpu``) it says so and exits 0. Exit status: 0 when every check ran and passed, 1
+otherwise.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from parallelism import Topology  # noqa: E402
+from parallelism.devices import deterministic_cuda  # noqa: E402
 from recovery import FailureSchedule, Hang, Kill, KillPoint, RecoveryPolicy, Trainer  # noqa: E402
 from recovery.reference import train_reference  # noqa: E402
 from tests.workloads import mlp_spec  # noqa: E402
@@ -39,6 +44,15 @@ STEPS = 6
 LOSS_RTOL = 1e-5
 """The 2x2 job against single-process training: the same arithmetic in another order
 (microbatches, the all-reduce), so equal to rounding only."""
+BUDGET_S = 8 * 60.0
+"""Seconds the whole script may take (issue 15: the checks fit in 8 minutes)."""
+BENCH_PRESET = "small"
+"""`bench.py recovery`'s model: the LLaMA ``small`` preset, 25.6M parameters, 102 MB in
+float32 -- the issue's "about 100 MB of parameters"."""
+NOT_RUN = "not run (time budget)"
+
+Row = tuple[str, str, str]
+"""(check, result, detail): one line of the table."""
 
 
 Mode = tuple[str, str]
@@ -99,11 +113,18 @@ def _equal_states(a: object, b: object) -> bool:
 
 
 def check_equivalence(mode: Mode, clean: object) -> tuple[bool, str]:
-    ref = train_reference(mlp_spec(), stages=TOP.stages, replicas=TOP.replicas, steps=STEPS)
+    """The 2x2 job's losses against single-process training on the job's device."""
+    device = mode[1]
+    ref = train_reference(
+        mlp_spec(), stages=TOP.stages, replicas=TOP.replicas, steps=STEPS, device=device
+    )
     got = torch.tensor(clean.losses)  # type: ignore[attr-defined]
     want = torch.tensor(ref.losses)
     worst = float(((got - want).abs() / want.abs().clamp_min(1e-12)).max())
-    return worst <= LOSS_RTOL, f"max relative loss difference {worst:.2e} (tolerance {LOSS_RTOL:g})"
+    return worst <= LOSS_RTOL, (
+        f"max relative loss difference {worst:.2e} (tolerance {LOSS_RTOL:g}; "
+        f"single process on {device})"
+    )
 
 
 def check_kill(mode: Mode, clean: object, at: KillPoint) -> tuple[bool, str]:
@@ -126,27 +147,69 @@ def check_hang(mode: Mode, clean: object) -> tuple[bool, str]:
     return bool(hung) and same, f"{len(hung)} hang(s) detected, torch.equal: {same}, {took:.0f} s"
 
 
-def check_bench(mode: Mode, preset: str) -> tuple[bool, str]:
+def check_bench(mode: Mode, preset: str, deadline: float) -> tuple[bool, str]:
+    """`bench.py recovery` in ``mode``, cut off at ``deadline`` (`time.monotonic`)."""
     cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "recovery", "--presets", preset]
     cmd += ["--stages", str(TOP.stages), "--replicas", str(TOP.replicas)]
     cmd += ["--backend", mode[0], "--device", mode[1]]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=480)
+    left = max(1.0, deadline - time.monotonic())
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=left)
+    except subprocess.TimeoutExpired:
+        return False, f"stopped by the time budget after {left:.0f} s"
     last = [line for line in done.stdout.splitlines() if line.strip()][-3:]
     return done.returncode == 0, " | ".join(last)[:300] or done.stderr[-300:]
 
 
+def run_checks(
+    checks: list[tuple[str, Callable[[], tuple[bool, str]]]],
+    deadline: float,
+    clock: Callable[[], float] = time.monotonic,
+) -> list[Row]:
+    """Run ``checks`` in order, one row each. A check that would start at or after
+    ``deadline`` (on ``clock``) is not run and its row says so; a check that raises is a
+    failed check, and the rest still run."""
+    rows: list[Row] = []
+    for name, check in checks:
+        if clock() >= deadline:
+            rows.append((name, NOT_RUN, "the budget was spent before it could start"))
+            print(f"  {name}: {NOT_RUN}", flush=True)
+            continue
+        try:
+            ok, detail = check()
+        except Exception as exc:
+            ok, detail = False, f"{type(exc).__name__}: {str(exc)[:200]}"
+        rows.append((name, "pass" if ok else "FAIL", detail))
+        print(f"  {name}: {'pass' if ok else 'FAIL'}", flush=True)
+    return rows
+
+
 def main() -> int:
+    start = time.monotonic()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu", action="store_true", help="run the checks over Gloo on the CPU")
     parser.add_argument(
         "--bench-preset",
-        default="medium",
-        help="model preset for `bench.py recovery` (see bench.py; 'none' skips it)",
+        default=BENCH_PRESET,
+        help=f"model preset for `bench.py recovery` (default {BENCH_PRESET}: 25.6M "
+        "parameters, ~100 MB; see bench.py; 'none' skips it)",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=BUDGET_S,
+        help=f"seconds the whole script may take (default {BUDGET_S:g}); checks that "
+        "would start later are not run",
     )
     args = parser.parse_args()
+    if args.budget_s <= 0:
+        parser.error(f"--budget-s must be positive, got {args.budget_s:g}")
+    deadline = start + args.budget_s
     mode = _mode(args)
     if mode is None:
         return 0
+    if mode[1] == "cuda":  # the single-process run in this process, as the workers do
+        deterministic_cuda()
     clean = _fit(mode)
     checks: list[tuple[str, Callable[[], tuple[bool, str]]]] = [
         ("2x2 equals single process", lambda: check_equivalence(mode, clean)),
@@ -155,19 +218,23 @@ def main() -> int:
         ("hang detected and replaced", lambda: check_hang(mode, clean)),
     ]
     if args.bench_preset != "none":
-        checks.append(("bench.py recovery", lambda: check_bench(mode, args.bench_preset)))
-    rows = []
-    for name, check in checks:
-        try:
-            ok, detail = check()
-        except Exception as exc:  # a check that crashes is a failed check, the rest still run
-            ok, detail = False, f"{type(exc).__name__}: {str(exc)[:200]}"
-        rows.append((name, "pass" if ok else "FAIL", detail))
-        print(f"  {name}: {'pass' if ok else 'FAIL'}", flush=True)
+        checks.append(("bench.py recovery", lambda: check_bench(mode, args.bench_preset, deadline)))
+    rows = run_checks(checks, deadline)
     width = max(len(name) for name, _, _ in rows)
-    print(f"\n| {'check':<{width}} | result | detail |\n|{'-' * (width + 2)}|--------|--------|")
+    kind = max(len("result"), *(len(result) for _, result, _ in rows))
+    print(f"\n| {'check':<{width}} | {'result':<{kind}} | detail |")
+    print(f"|{'-' * (width + 2)}|{'-' * (kind + 2)}|--------|")
     for name, result, detail in rows:
-        print(f"| {name:<{width}} | {result:<6} | {detail} |")
+        print(f"| {name:<{width}} | {result:<{kind}} | {detail} |")
+    skipped = sum(result == NOT_RUN for _, result, _ in rows)
+    took = time.monotonic() - start
+    if skipped:
+        print(
+            f"\ngpu_check: {skipped} check(s) not run: the {args.budget_s:g} s time budget "
+            f"was spent ({took:.0f} s); rerun with a larger --budget-s to run them"
+        )
+    else:
+        print(f"\ngpu_check: every check ran, in {took:.0f} s (budget {args.budget_s:g} s)")
     return 0 if all(result == "pass" for _, result, _ in rows) else 1
 
 
