@@ -23,7 +23,27 @@ import torch
 import xxhash
 from torch import nn
 
-__all__ = ["Fingerprint", "digest", "fingerprint", "flip_bit", "flip_one", "state_tensors"]
+__all__ = [
+    "RECOMMENDED_FINGERPRINT_EVERY",
+    "Fingerprint",
+    "digest",
+    "fingerprint",
+    "flip_bit",
+    "flip_one",
+    "state_tensors",
+]
+
+RECOMMENDED_FINGERPRINT_EVERY = 100
+"""The check interval K to use when turning fingerprints on without a reason to choose
+another (``train.py --fingerprint-every`` with no value). A check hashes about 3x the
+parameter bytes (parameters and AdamW moments) and exchanges one digest per tensor, so
+its cost per step is about 1/K of a checked step's extra time: at K=100 that is under 1%
+on the jobs `scripts/bench.py fingerprint` measures (README, 'Silent data corruption'),
+and a flip is found within 100 steps. A smaller K finds a flip sooner and rolls back
+fewer steps; only at K=1 is a flip with a majority against it (3+ replicas) rebuilt
+without any rollback (see [Note: fingerprint vote] in recovery/vote.py).
+`RecoveryPolicy.fingerprint_every` stays off by default: checks cost every job something,
+and need two or more replicas."""
 
 Fingerprint = dict[str, str]
 """Tensor name -> hex digest of its bytes, 64 bits (a false agreement is a 2^-64 event per

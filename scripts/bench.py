@@ -612,9 +612,9 @@ def _dp_spec() -> TrainSpec:
     )
 
 
-def _step_times(spec: TrainSpec, top: Topology, every: int | None, steps: int) -> list[float]:
+def _step_times(spec: TrainSpec, top: Topology, every: int | None, steps: int) -> dict[int, float]:
     """Seconds of each committed step of a failure-free job over worker threads (no Ray:
-    the same workers, controller and Gloo groups, without Ray's start-up)."""
+    the same workers, controller and Gloo groups, without Ray's start-up), by step."""
     from recovery.policy import RecoveryPolicy
     from recovery.runtime import Controller, ControllerConfig, ThreadWorkerGroup
     from recovery.runtime.layouts import layout_for
@@ -627,11 +627,39 @@ def _step_times(spec: TrainSpec, top: Topology, every: int | None, steps: int) -
         controller.run(steps)
     finally:
         controller.shutdown()
-    return [r.step_s for r in controller.records]
+    return {r.step: r.step_s for r in controller.records}
+
+
+def _digest_rate(nbytes: int) -> float:
+    """Bytes/s of one fingerprint digest (XXH3-64) of a ``nbytes`` tensor on one core (best of 5)."""
+    from recovery.fingerprint import digest
+
+    data = torch.randn(nbytes // 4)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        digest(data)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+_FINGERPRINT_WARM = 2
+"""Steps left out of every timed window: step 0 (start-up, and a check at every K) and 1."""
+
+
+def _fingerprint_runs(every: int | None, steps: int, checks: int) -> int:
+    """Steps to run at K=``every`` so that ``checks`` check steps fall in the timed window
+    (steps ``_FINGERPRINT_WARM`` on), and at least ``steps``."""
+    if every is None:
+        return steps
+    return max(steps, checks * every + 1, _FINGERPRINT_WARM + checks)
 
 
 def fingerprint_cost(args: argparse.Namespace) -> None:
-    """Per-step cost of fingerprint checks at K = 1, 10, 50, 100 against none, on two jobs."""
+    """Per-step cost of fingerprint checks at K = 1, 10, 50 and the recommended K against
+    none, on two jobs, measured side by side in one run, with the amortised estimate."""
+    from recovery.fingerprint import RECOMMENDED_FINGERPRINT_EVERY
+
     torch.set_num_threads(1)
     jobs = {
         f"demo {args.stages}x{args.replicas} ({args.preset} dim={args.dim})": (
@@ -640,42 +668,68 @@ def fingerprint_cost(args: argparse.Namespace) -> None:
         ),
         "data-parallel 100 MB (1x2)": (_dp_spec(), Topology(1, 2)),
     }
-    configs: dict[str, int | None] = {"off": None, "K=1": 1, "K=10": 10, "K=50": 50, "K=100": 100}
-    warm = 2
+    ks = sorted({1, 10, 50, RECOMMENDED_FINGERPRINT_EVERY})
+    configs: dict[str, int | None] = {"off": None, **{f"K={k}": k for k in ks}}
+    warm = _FINGERPRINT_WARM
+    lengths = {name: _fingerprint_runs(k, args.steps, args.checks) for name, k in configs.items()}
     print(f"machine: {machine()}")
-    print(f"{args.steps} steps per run, {args.repeats} interleaved repeats\n", flush=True)
+    print(
+        f"per job, one run per configuration ({args.repeats} interleaved repeats), steps run: "
+        + ", ".join(f"{name} {n}" for name, n in lengths.items())
+        + f"; timed: steps {warm} on; a check step is a step s with s % K == 0"
+        f" (snapshots off), so each K run times >= {args.checks} check steps\n",
+        flush=True,
+    )
+    rate = _digest_rate(100 * 2**20)
+    print(
+        f"XXH3-64 digest: {rate / 1e9:.1f} GB/s on one core (100 MiB tensor, best of 5);"
+        f" memcpy {_memcpy_rate(100 * 2**20) / 1e9:.1f} GB/s\n",
+        flush=True,
+    )
     rows = []
     for job, (spec, top) in jobs.items():
         params = sum(
             p.numel() for s in range(top.stages) for p in spec.build(s, top.stages).parameters()
         )
-        mean: dict[str, list[float]] = {name: [] for name in configs}
-        checked: list[float] = []
-        plain: list[float] = []
+        # per configuration: each repeat's {step: seconds} over the timed window
+        runs: dict[str, list[dict[int, float]]] = {name: [] for name in configs}
         for repeat in range(args.repeats):
             for name, every in configs.items():
-                times = _step_times(spec, top, every, args.steps)[warm:]
-                mean[name].append(statistics.mean(times))
-                if every == 1:
-                    checked += times
-                if every is None:
-                    plain += times
+                times = _step_times(spec, top, every, lengths[name])
+                runs[name].append({s: t for s, t in times.items() if s >= warm})
                 print(
-                    f"  {job} {repeat + 1}/{args.repeats} {name}: {mean[name][-1] * 1e3:.1f} ms/step",
+                    f"  {job} {repeat + 1}/{args.repeats} {name} ({lengths[name]} steps): "
+                    f"{statistics.mean(runs[name][-1].values()) * 1e3:.1f} ms/step",
                     flush=True,
                 )
-        base = statistics.median(mean["off"])
-        extra = statistics.median(checked) - statistics.median(plain)
+        off = [t for run in runs["off"] for t in run.values()]
+        base = statistics.median(off)
+        k1_extra = statistics.median([t for r in runs["K=1"] for t in r.values()]) - base
+        off_row = [job, f"{params * 4 / 1e6:.1f}", "off", f"{statistics.mean(off) * 1e3:.1f}"]
+        rows.append([*off_row, "", "0", "", "", ""])
         for name, every in configs.items():
-            measured = statistics.median(mean[name])
+            if every is None:
+                continue
+            extras: list[float] = []  # each check step's time over its run's plain step
+            spread = []  # per run: the checks' extra time over all its timed steps
+            for run in runs[name]:
+                plain = [t for s, t in run.items() if s % every]
+                ref = statistics.median(plain) if plain else base  # K=1: the off runs'
+                mine = [t - ref for s, t in run.items() if s % every == 0]
+                extras += mine
+                spread.append(sum(mine) / len(run) / ref)
+            mean = statistics.mean([t for r in runs[name] for t in r.values()])
             rows.append(
                 [
-                    job if name == "off" else "",
-                    f"{params * 4 / 1e6:.1f}" if name == "off" else "",
+                    "",
+                    "",
                     name,
-                    f"{measured * 1e3:.1f}",
-                    f"{100 * (measured / base - 1):+.2f}%",
-                    "" if every is None else f"{100 * extra / every / base:+.2f}%",
+                    f"{mean * 1e3:.1f}",
+                    f"{100 * (mean / statistics.mean(off) - 1):+.1f}%",
+                    str(len(extras)),
+                    f"{statistics.median(extras) * 1e3:+.1f}",
+                    f"{100 * statistics.median(spread):+.2f}%",
+                    f"{100 * k1_extra / every / base:+.2f}%",
                 ]
             )
     print()
@@ -686,18 +740,27 @@ def fingerprint_cost(args: argparse.Namespace) -> None:
                 "params MB",
                 "fingerprints",
                 "ms/step (mean)",
-                "measured vs off",
-                "check cost / K",
+                "mean vs off",
+                "checks timed",
+                "check step extra ms",
+                "cost/step (measured)",
+                "cost/step (estimate: K=1 / K)",
             ],
             rows,
         )
     )
     print(
-        "\nmeasured vs off: mean step time of the run against the run without fingerprints"
-        " (runs interleaved; on a shared machine the noise is a few percent). check cost / K:"
-        " the median extra time of a checked step (the K=1 runs against the off runs),"
-        " divided by K and by the step time -- the amortised cost, which the noise hides at"
-        " K = 10 and 50."
+        f"""
+ms/step (mean): mean step time over the run's timed steps; mean vs off: against the off
+run's -- whole runs of different lengths at different times, so on a shared machine this
+column is noise of several percent, larger than the cost at K >= 10.
+check step extra: the median over the timed check steps of (check step - the median plain
+step of the same run); for K=1, whose every step is a check, against the off run.
+cost/step (measured): the checks' extra time in the run (the sum of the check-step extras)
+over all its timed steps, as a fraction of its plain step -- the check's cost measured
+directly on the run's own check steps ({args.checks}+ per run), not a difference of means.
+cost/step (estimate): the amortised estimate, not measured at that K: the K=1 check step
+extra divided by K and by the off run's median step."""
     )
 
 
@@ -712,9 +775,17 @@ def main(argv: list[str] | None = None) -> int:
     z = sub.add_parser("zero", help="ZeRO-1 with mirrored shards vs unsharded AdamW")
     z.add_argument("--repeats", type=int, default=2, help="interleaved runs per configuration")
     f = sub.add_parser(
-        "fingerprint", help="per-step cost of silent-corruption fingerprints at K = 1, 10, 50, 100"
+        "fingerprint",
+        help="per-step cost of silent-corruption fingerprints at K = 1, 10, 50 and the "
+        "recommended K (100), measured, beside the amortised estimate",
     )
     f.add_argument("--repeats", type=int, default=1, help="interleaved runs per configuration")
+    f.add_argument(
+        "--checks",
+        type=int,
+        default=2,
+        help="check steps each K run times at least (a run at K is >= checks*K + 1 steps)",
+    )
     for q in (t, sn, z, f):
         q.add_argument(
             "--preset", default="tiny", help="model preset (default tiny, resized below)"
@@ -734,8 +805,9 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument(
             "--steps",
             type=int,
-            default={t: 12, sn: 105, z: 25, f: 52}[q],
-            help="steps per measured run (default 12; snapshots: 105; zero: 25; fingerprint: 52)",
+            default={t: 12, sn: 105, z: 25, f: 22}[q],
+            help="steps per measured run (default 12; snapshots: 105; zero: 25; fingerprint: 22,"
+            " longer at large K, see --checks)",
         )
     r = sub.add_parser("recovery", help="time from a kill to training again, per strategy")
     r.add_argument("--presets", default="small,medium", help="model presets, comma-separated")

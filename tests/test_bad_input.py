@@ -7,6 +7,7 @@ import torch
 
 from parallelism import Topology
 from recovery import RecoveryPolicy, Trainer, TrainSpec
+from recovery.fingerprint import RECOMMENDED_FINGERPRINT_EVERY
 from recovery.runtime.membership import Membership
 from tests.workloads import mlp_spec, tiny_llama
 
@@ -131,6 +132,10 @@ def test_a_refused_run_leaves_no_run_folder(tmp_path) -> None:  # type: ignore[n
         (["--hot-spares", "100"], "hot_spares=100 exceeds"),
         (["--fingerprint-every", "-1"], "fingerprint_every must be an integer >= 0"),
         (["--fingerprint-every", "5", "--replicas", "1"], "fingerprint_every=5 needs two"),
+        (  # no K: the recommended one reaches the policy
+            ["--fingerprint-every", "--replicas", "1"],
+            f"fingerprint_every={RECOMMENDED_FINGERPRINT_EVERY} needs two",
+        ),
     ],
 )
 def test_bad_train_cli_arguments_make_no_folder(argv: list[str], message: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -142,13 +147,36 @@ def test_bad_train_cli_arguments_make_no_folder(argv: list[str], message: str, t
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    "argv, every",
+    [
+        ([], 0),
+        (["--fingerprint-every"], RECOMMENDED_FINGERPRINT_EVERY),
+        (["--fingerprint-every", "--steps", "3"], RECOMMENDED_FINGERPRINT_EVERY),
+        (["--fingerprint-every", "7"], 7),
+        (["--fingerprint-every", "0"], 0),
+    ],
+)
+def test_train_cli_fingerprint_every_alone_is_the_recommended_k(
+    argv: list[str], every: int
+) -> None:
+    """Fingerprints are off unless asked for; asked for without a K, they get the K the
+    README's cost figures are for."""
+    from recovery.cli.train import parse_args
+
+    assert RECOMMENDED_FINGERPRINT_EVERY == 100
+    assert parse_args(argv).fingerprint_every == every
+
+
 def test_nccl_on_a_cluster_without_gpus_says_what_is_missing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from recovery.runtime import ray_group
     from recovery.worker import StageWorker
 
-    monkeypatch.setattr(ray_group.ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 2.0}}])
+    monkeypatch.setattr(
+        ray_group.ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 2.0}}]
+    )
     group = ray_group.RayWorkerGroup(StageWorker, backend="nccl")
     with pytest.raises(ValueError, match=r"needs one GPU per worker: the job needs 5 .* has 0"):
         group.check_capacity(5)

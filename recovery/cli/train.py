@@ -8,6 +8,7 @@
     python scripts/train.py --failures "kill:step=20,stage=1,replica=0;poisson:rate=0.002"
     python scripts/train.py --replicas 1 --approximate checkfree --failures kill:step=100,stage=2,replica=0
     python scripts/train.py --durable-every 50 --out runs/long   # re-run the same line to resume
+    python scripts/train.py --replicas 3 --fingerprint-every      # silent-corruption vote, K=100
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- python scripts/train.py
 
 Installed, the same program is the ``checkfree-train`` command.
@@ -26,6 +27,7 @@ from parallelism import Topology
 from recovery import Trainer, TrainSpec
 from recovery.events import summary_table
 from recovery.faults import FailureSchedule, Kill, KillPoint
+from recovery.fingerprint import RECOMMENDED_FINGERPRINT_EVERY
 from recovery.names import Mode
 from recovery.policy import MODES, RecoveryPolicy
 from recovery.rundir import RunDir
@@ -114,9 +116,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--fingerprint-every",
         type=int,
+        nargs="?",
+        const=RECOMMENDED_FINGERPRINT_EVERY,
         default=0,
+        metavar="K",
         help="every K steps compare the replicas' state digests to find silent data "
-        "corruption (0: off; needs 2+ replicas; see README 'Silent data corruption')",
+        f"corruption (no K: {RECOMMENDED_FINGERPRINT_EVERY}, the recommended; 0: off, the "
+        "default; needs 2+ replicas; see README 'Silent data corruption')",
     )
     g.add_argument(
         "--approximate",
