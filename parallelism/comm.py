@@ -262,7 +262,7 @@ class _Transport:
     """
 
     def __init__(
-        self, before: dict[int, str], store: dist.Store, rank: int, world_size: int
+        self, before: dict[int, str], store: dist.Store, rank: int, peers: list[int]
     ) -> None:
         new = {fd: ino for fd, ino in _socket_inodes().items() if before.get(fd) != ino}
         listening: set[int] = set()
@@ -275,7 +275,7 @@ class _Transport:
                     connected[fd] = (inode, sock.getsockname()[1], sock.getpeername()[1])
         store.set(f"gloo_ports/{rank}", ",".join(str(p) for p in sorted(listening)))
         ports = set(listening)
-        for peer in range(world_size):
+        for peer in peers:
             text = store.get(f"gloo_ports/{peer}").decode()
             ports |= {int(p) for p in text.split(",") if p}
         self._sockets = {
@@ -415,6 +415,10 @@ class StageComm:
             backend's own (`device_for`). Tensors given to and received from this object
             are on it; the backend moves them on ``wire`` (`parallelism.devices.wire_device`),
             staged in between when the two differ ([Note: compute device and wire device]).
+        members: the global ranks of this generation's workers (default: all of the
+            topology's). A shrunk job's generation leaves out the workers it runs without
+            (see [Note: elastic shrink] in recovery/runtime/elastic.py); every group is formed
+            over the members only, and callers keep using global ranks.
 
     Raises:
         RuntimeError: if the group cannot be formed within ``rendezvous.timeout_s``.
@@ -432,9 +436,16 @@ class StageComm:
         side_group: bool = False,
         tied: tuple[int, ...] = (),
         device: torch.device | None = None,
+        members: tuple[int, ...] | None = None,
     ) -> None:
         self.topology = topology
         self.rank = rank
+        self.members = tuple(sorted(members)) if members is not None else None
+        if self.members is not None and rank not in self.members:
+            raise ValueError(f"rank {rank} is not a member of this generation {self.members}")
+        present = self.members if self.members is not None else range(topology.world_size)
+        self._index = {r: i for i, r in enumerate(present)}
+        """Global rank -> its rank in this generation's world (the same without a shrink)."""
         self.worker = topology.worker(rank)
         self.backend = backend
         self.device = device if device is not None else device_for(backend)
@@ -455,16 +466,23 @@ class StageComm:
         before = _socket_inodes()
         world_store = dist.PrefixStore("world", self._store)
         self._world: _Group | None = _make_group(
-            backend, world_store, rank, topology.world_size, bind_host, collective, self.wire
+            backend,
+            world_store,
+            self._index[rank],
+            len(self._index),
+            bind_host,
+            collective,
+            self.wire,
         )
         self._stage: _Group | None = None
-        if topology.replicas > 1:
+        stage_peers = [r for r in topology.stage_group(self.worker.stage) if r in self._index]
+        if len(stage_peers) > 1:
             stage_store = dist.PrefixStore(f"stage{self.worker.stage}", self._store)
             self._stage = _make_group(
                 backend,
                 stage_store,
-                self.worker.replica,
-                topology.replicas,
+                stage_peers.index(rank),
+                len(stage_peers),
                 bind_host,
                 collective,
                 self.wire,
@@ -483,10 +501,10 @@ class StageComm:
         if side_group:
             side_store = dist.PrefixStore("side", self._store)
             self._side = _make_group(
-                "gloo", side_store, rank, topology.world_size, bind_host, collective
+                "gloo", side_store, self._index[rank], len(self._index), bind_host, collective
             )
         self._transport = (
-            _Transport(before, self._store, rank, topology.world_size)
+            _Transport(before, self._store, rank, list(self._index))
             if backend == "gloo" or side_group
             else None
         )
@@ -524,19 +542,19 @@ class StageComm:
         off the wire device is sent from a wire copy (`to_wire`), finished before this
         returns, so the caller may change ``tensor`` at once."""
         tensor = to_wire(tensor, self.wire)
-        self._pending.append((self.world.send([tensor], dst, 0), tensor, dst))
+        self._pending.append((self.world.send([tensor], self._index[dst], 0), tensor, dst))
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Receive into ``tensor`` from global rank ``src``, blocking (on the wire first
         when ``tensor`` is off the wire device, then copied into it)."""
         landing = tensor if tensor.device == self.wire else wire_buffer(tensor, self.wire)
-        self.wait(self.world.recv([landing], src, 0), src)
+        self.wait(self.world.recv([landing], self._index[src], 0), src)
         return land(tensor, landing)
 
     def recv_many(self, tensors: list[torch.Tensor], src: int) -> None:
         """Receive into each of ``tensors`` in order from ``src``, all receives posted at once."""
         landings = [t if t.device == self.wire else wire_buffer(t, self.wire) for t in tensors]
-        works = [self.world.recv([t], src, 0) for t in landings]
+        works = [self.world.recv([t], self._index[src], 0) for t in landings]
         for work in works:
             self.wait(work, src)
         for tensor, landing in zip(tensors, landings, strict=True):
@@ -672,13 +690,13 @@ class StageComm:
         """Start sending CPU ``tensors`` to ``dst`` over the side group; wait on the result."""
         if self._side is None:
             raise RuntimeError("no side group in this generation (closed, or not requested)")
-        return [self._side.send([t.contiguous()], dst, 0) for t in tensors]
+        return [self._side.send([t.contiguous()], self._index[dst], 0) for t in tensors]
 
     def side_recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Receive into CPU ``tensor`` from ``src`` over the side group, blocking."""
         if self._side is None:
             raise RuntimeError("no side group in this generation (closed, or not requested)")
-        self._side.recv([tensor], src, 0).wait()
+        self._side.recv([tensor], self._index[src], 0).wait()
         return tensor
 
     def side_wait(self, works: list[dist.Work]) -> None:

@@ -263,8 +263,89 @@ class StageEngine:
             RuntimeError: on a communication error (a peer died), from the backend.
         """
         stats = StepStats()
-        self.progress.mark()
         hook = hook or (lambda point: None)
+        self._run_schedule(schedule, comm, inputs, targets, hook, stats, overlap=True)
+        if schedule.has_backward():
+            self._reduce(comm, hook, stats)
+        return stats
+
+    def run_shares(
+        self,
+        schedule: Schedule,
+        comm: StageComm | None,
+        shares: Sequence[Share],
+        hook: Hook | None = None,
+    ) -> StepStats:
+        """A training step of a shrunk job (see [Note: elastic shrink] in
+        recovery/runtime/elastic.py): run the schedule once per share -- this pipeline's own
+        microbatches, then those of each missing pipeline it stands in for -- keeping each
+        share's gradients apart, then add them in share order and all-reduce the sum with
+        the stage's other members. No share at all (a live worker of an incomplete
+        pipeline) contributes zero and still applies the same averaged update. The average is
+        over the job's full replica count, so the step is the failure-free step: bit for bit
+        with two replicas (a sum of two is the same in either order, and adding a zero
+        changes nothing); with more, the order of the additions differs from the ring's.
+
+        Raises:
+            RuntimeError: on a communication error (a peer died), from the backend.
+        """
+        stats = StepStats()
+        hook = hook or (lambda point: None)
+        total: list[torch.Tensor] | None = None
+        for index, share in enumerate(shares):
+            inputs, targets = share.prepare()
+            self._run_schedule(
+                schedule,
+                comm,
+                inputs,
+                targets,
+                hook if index == 0 else (lambda point: None),
+                stats,
+                overlap=False,
+            )
+            grads = [
+                p.grad if p.grad is not None else torch.zeros_like(p)
+                for p in (*self.params, *self.shared)
+            ]
+            if total is None:
+                total = [g.clone() for g in grads]
+            else:
+                for t, g in zip(total, grads, strict=True):
+                    t.add_(g)
+            for p in (*self.params, *self.shared):
+                p.grad = None  # the next share starts from zero (a bound buffer is re-zeroed)
+        self._bind_gradients()
+        if total is not None:  # else no share: a zero contribution
+            for p, t in zip((*self.params, *self.shared), total, strict=True):
+                if p.grad is None:
+                    p.grad = t
+                else:
+                    p.grad.copy_(t)
+        self._reduce(comm, hook, stats)
+        return stats
+
+    def _reduce(self, comm: StageComm | None, hook: Hook, stats: StepStats) -> None:
+        start = time.perf_counter()
+        self.progress.mark()
+        self._reduce_gradients(comm, hook, stats)
+        self.progress.mark()
+        stats.allreduce_s = time.perf_counter() - start
+
+    def _run_schedule(
+        self,
+        schedule: Schedule,
+        comm: StageComm | None,
+        inputs: Sequence[torch.Tensor],
+        targets: Sequence[torch.Tensor],
+        hook: Hook,
+        stats: StepStats,
+        *,
+        overlap: bool,
+    ) -> None:
+        """The schedule's actions for this stage; gradients accumulate into ``.grad`` (a
+        zeroed flat buffer with replicas), bucket all-reduces launched from the last
+        backward when ``overlap`` (see [Note: overlapped all-reduce])."""
+        self.progress.mark()
         actions = schedule.for_stage(self.stage)
         num_mb = schedule.num_microbatches
         training = schedule.has_backward()
@@ -330,7 +411,7 @@ class StageEngine:
                     ]
                 elif action.op is Op.BACKWARD:
                     start = time.perf_counter()
-                    if index == last_backward and self._buckets and comm is not None:
+                    if overlap and index == last_backward and self._buckets and comm is not None:
                         self._overlap = _Overlap(comm, [0] * len(self._buckets))
                     out = stage_out.pop(m)
                     if m in grad_out:
@@ -352,14 +433,7 @@ class StageEngine:
                     stage_in.pop(m, None)
             if comm is not None:
                 comm.wait_sends()
-        stats.schedule_s = time.perf_counter() - t0
-        if training:
-            start = time.perf_counter()
-            self.progress.mark()
-            self._reduce_gradients(comm, hook, stats)
-            self.progress.mark()
-            stats.allreduce_s = time.perf_counter() - start
-        return stats
+        stats.schedule_s += time.perf_counter() - t0
 
     def _reduce_gradients(self, comm: StageComm | None, hook: Hook, stats: StepStats) -> None:
         for p in (*self.params, *self.shared):
@@ -402,6 +476,16 @@ class StageEngine:
             self.params, self.clip_grad_norm, self.shared, shared_is_home=self.shared_is_home
         )
         stats.grad_norm, stats.clipped_grad_norm = norm, clipped
+
+
+@dataclass
+class Share:
+    """One pipeline replica's microbatches in a shrunk step (`StageEngine.run_shares`)."""
+
+    replica: int
+    prepare: Callable[[], tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]]
+    """Seeds the random generators as that replica's own worker does for this step, then
+    returns its microbatches' inputs and targets (called just before its schedule runs)."""
 
 
 @dataclass

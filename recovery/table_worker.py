@@ -142,7 +142,11 @@ class TableWorker(StageWorker):
         side_group: bool = False,
         buddy: int | None = None,
         ward: int | None = None,
+        members: tuple[int, ...] | None = None,
+        shares: tuple[int, ...] | None = None,
     ) -> float:
+        if members is not None or shares is not None:  # the layout refuses elastic=True
+            raise ValueError("sharded embedding tables cannot train in a shrunk generation")
         seconds = super().join(generation, rendezvous, bind_host, side_group, buddy, ward)
         assert self.comm is not None
         timeout = datetime.timedelta(seconds=rendezvous.timeout_s)

@@ -51,6 +51,9 @@ class WorkerLifecycle:
         self.snapshots = SnapshotKeeper()
         self.buddy: int | None = None
         self.ward: int | None = None
+        self.shares: tuple[int, ...] | None = None
+        """In a shrunk generation, the replicas whose microbatches this worker computes
+        (see [Note: elastic shrink] in recovery/runtime/elastic.py); None: its own only."""
         self.flip_in_flight: int | None = None
         """An injected `recovery.faults.BitFlip` with ``in_flight``: the seed of the bit
         to flip in the next state this worker sends (see [Note: checked transfers])."""
@@ -167,14 +170,20 @@ class WorkerLifecycle:
         side_group: bool = False,
         buddy: int | None = None,
         ward: int | None = None,
+        members: tuple[int, ...] | None = None,
+        shares: tuple[int, ...] | None = None,
     ) -> float:
         """Form this generation's process groups. Returns seconds taken.
 
         ``buddy`` holds this worker's peer snapshots and this worker holds ``ward``'s; they
-        travel over a side group (``side_group``) beside the training step.
+        travel over a side group (``side_group``) beside the training step. A shrunk job's
+        generation (see [Note: elastic shrink] in recovery/runtime/elastic.py) names its
+        ``members`` and, per worker, the replicas whose microbatches it computes
+        (``shares``, own first; empty: it only applies the averaged update); None: all.
         """
         start = time.perf_counter()
         self.leave()
+        self.shares = shares
         self.comm = StageComm(
             rendezvous,
             self.topology,
@@ -184,6 +193,7 @@ class WorkerLifecycle:
             side_group=side_group,
             tied=self._tied_ranks(),
             device=self.device,
+            members=members,
         )
         self.generation = generation
         self.buddy, self.ward = buddy, ward

@@ -26,9 +26,11 @@ import signal
 import threading
 import time
 import traceback
+from functools import partial
 
 import torch
 
+from parallelism.engine import Share, StepStats
 from parallelism.schedule import Schedule
 from parallelism.seeding import seed_everything
 from recovery.faults import BitFlip, Corrupt, Fault, Kill, KillPoint, WorkerFault
@@ -80,12 +82,17 @@ class StageWorker(Snapshotting, StateTransfer):
         """
         self._begin_step(step, faults)
         assert self.spec is not None
-        seed_everything(self.spec.seed, "step", self.stage, self.replica, step)
-        inputs, targets = self._data(self.spec.batches, step, self.schedule)
         try:
-            if self.zero is not None:
-                self.zero.sync(self.comm)
-            stats = self.engine.run(self.schedule, self.comm, inputs, targets, self._hook)
+            if self.shares is not None:  # a shrunk job (see [Note: elastic shrink])
+                stats = self.engine.run_shares(
+                    self.schedule, self.comm, self._shares(step), self._hook
+                )
+            else:
+                seed_everything(self.spec.seed, "step", self.stage, self.replica, step)
+                inputs, targets = self._data(self.spec.batches, step, self.schedule)
+                if self.zero is not None:
+                    self.zero.sync(self.comm)
+                stats = self.engine.run(self.schedule, self.comm, inputs, targets, self._hook)
         except Exception as exc:
             return self._failed(step, exc)
         finally:
@@ -152,11 +159,19 @@ class StageWorker(Snapshotting, StateTransfer):
     def evaluate(self, index: int) -> StepReport:
         """Forward-only pass over held-out batch ``index``; losses reported by last stages."""
         assert self.spec is not None and self.spec.val_batches is not None
-        inputs, targets = self._data(self.spec.val_batches, index, self.eval_schedule)
+        # A shrunk job's complete pipelines evaluate the missing ones' batches too.
+        replicas = self.shares if self.shares is not None else (self.replica,)
+        stats = StepStats()
         try:
             if self.zero is not None:
                 self.zero.sync(self.comm)
-            stats = self.engine.run(self.eval_schedule, self.comm, inputs, targets)
+            for replica in replicas:
+                inputs, targets = self._data(
+                    self.spec.val_batches, index, self.eval_schedule, replica
+                )
+                got = self.engine.run(self.eval_schedule, self.comm, inputs, targets)
+                stats.loss_sum += got.loss_sum
+                stats.losses += got.losses
         except Exception as exc:
             return self._failed(self.step, exc)
         return StepReport(rank=self.rank, step=self.step, ok=True, stats=stats)
@@ -164,15 +179,27 @@ class StageWorker(Snapshotting, StateTransfer):
     # -- helpers -------------------------------------------------------------------------
 
     def _data(
-        self, fn: BatchFn, index: int, schedule: Schedule
+        self, fn: BatchFn, index: int, schedule: Schedule, replica: int | None = None
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Pipeline ``replica``'s microbatches of batch ``index`` (default: this worker's)."""
         assert self.spec is not None
+        replica = self.replica if replica is None else replica
         ends = {schedule.first_stage(m) for m in range(schedule.num_microbatches)}
         ends |= {schedule.last_stage(m) for m in range(schedule.num_microbatches)}
         if self.stage not in ends:  # a middle stage never touches data
             return [], []
-        batch = fn(index, self.replica, self.topology.replicas)
-        return self.spec.split(batch, step=index, replica=self.replica)
+        batch = fn(index, replica, self.topology.replicas)
+        return self.spec.split(batch, step=index, replica=replica)
+
+    def _shares(self, step: int) -> list[Share]:
+        """The shares of a shrunk step: each replica's data, seeded as its own worker's."""
+        assert self.spec is not None and self.shares is not None
+        return [Share(replica, partial(self._share_data, step, replica)) for replica in self.shares]
+
+    def _share_data(self, step: int, replica: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        assert self.spec is not None
+        seed_everything(self.spec.seed, "step", self.stage, replica, step)
+        return self._data(self.spec.batches, step, self.schedule, replica)
 
     def _drop_step(self) -> None:
         """Forget everything of the uncommitted step (its gradients)."""
