@@ -46,6 +46,13 @@ class Strategy(StrEnum):
     REPLICA_VOTE = "replica_vote"
     """Silent corruption: a worker whose fingerprint differs from its stage group's majority
     is rebuilt from a replica of that majority (exact)."""
+    SHRINK = "shrink"
+    """Elastic: no replacement could be had in time, so the job trains on without the lost
+    workers; the complete pipelines compute the missing ones' microbatches (same global
+    batch; nothing is rebuilt yet)."""
+    GROW = "grow"
+    """Elastic: a worker a shrink left out is started again and copied from a live replica
+    of its stage (exact), and the job is back at full strength."""
 
     @property
     def exact(self) -> bool:

@@ -285,6 +285,15 @@ class RecoveryPolicy:
     hot_spares: int = 0
     """Warm spare workers kept ready (torch imported, stage modules built) to replace dead
     ones without a cold start."""
+    elastic: bool = False
+    """Keep training when a lost worker cannot be replaced at once: with no warm spare
+    ready (a cold start would stall every survivor) or no room for a replacement, the job
+    shrinks -- it trains on without the lost workers, its complete pipelines computing the
+    missing ones' microbatches, so the global batch and every step stay those of the
+    failure-free run -- while replacements start as spares in the background; once they are
+    ready it grows back (see [Note: elastic shrink] in recovery/runtime/elastic.py). Off:
+    the survivors wait for replacements, and a worker that finds no room within
+    ``timeouts.replace`` ends the job (`PlacementFailed`)."""
     max_recoveries: int | None = None
     """Give up (``RecoveryError``) after this many recoveries; None: never."""
     comm_retries: int = 3
@@ -343,6 +352,8 @@ class RecoveryPolicy:
                 raise ValueError(
                     f"unknown strategies {unknown} in allowed; known: {STRATEGY_NAMES}"
                 )
+        if not isinstance(self.elastic, bool):
+            raise ValueError(f"elastic must be True or False, got {self.elastic!r}")
         check_int("hot_spares", self.hot_spares, minimum=0)
         check_int("max_recoveries", self.max_recoveries, minimum=0, optional=True)
         check_int("comm_retries", self.comm_retries, minimum=0)

@@ -136,6 +136,7 @@ def test_a_refused_run_leaves_no_run_folder(tmp_path) -> None:  # type: ignore[n
             ["--fingerprint-every", "--replicas", "1"],
             f"fingerprint_every={RECOMMENDED_FINGERPRINT_EVERY} needs two",
         ),
+        (["--elastic", "--replicas", "1"], "elastic=True needs two or more pipeline replicas"),
     ],
 )
 def test_bad_train_cli_arguments_make_no_folder(argv: list[str], message: str, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -108,6 +108,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--hot-spares", type=int, default=1, help="warm spare workers kept ready (default 1)"
     )
     g.add_argument(
+        "--elastic",
+        action="store_true",
+        help="when no warm spare is ready or there is no room for a replacement, train on "
+        "without the lost workers (same global batch) and grow back once replacements are "
+        "ready (see README 'Elastic')",
+    )
+    g.add_argument(
         "--hang-timeout",
         type=float,
         default=120.0,
@@ -236,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     policy = RecoveryPolicy(
         strategy=args.strategy,
         hot_spares=args.hot_spares,
+        elastic=args.elastic,
         hang_timeout_s=args.hang_timeout,
         fingerprint_every=args.fingerprint_every or None,
         checkpoint_every=args.checkpoint_every,

@@ -66,6 +66,7 @@ from recovery.names import Strategy
 from recovery.planner import RecoveryPlan, plan
 from recovery.policy import RecoveryPolicy
 from recovery.runtime.detection import StepOutcome, await_step, failure_of, non_finite
+from recovery.runtime.elastic import grow_plan, shrink_plan, shrinkable
 from recovery.runtime.executor import execute_or_fall_back
 from recovery.runtime.group import WorkerGroup, WorkerLost
 from recovery.runtime.injection import Armed, InjectedFaults, fault_time
@@ -88,6 +89,8 @@ __all__ = ["MAX_INTERRUPTIONS", "Controller", "ControllerConfig", "Phase"]
 
 log = logging.getLogger("checkfree")
 
+_GROW = "grow"
+"""The cause of a grow's `Failure` (nothing failed: the missing workers' spares are ready)."""
 MAX_INTERRUPTIONS = 8
 """Failures during one recovery before the job gives up (see [Note: re-entrant recovery])."""
 COMM_BACKOFF_S = 0.25
@@ -313,6 +316,8 @@ class Controller:
                 if self.step >= self.target_steps:
                     self._finish_event(resumed=False)  # a recovery after the last commit
                     self.phase = Phase.FINISHED
+                elif self.members.missing and self.members.warm_cover(self.members.missing):
+                    self._grow()
                 else:
                     self._train_step()
             elif self.phase is Phase.RECOVERING:
@@ -405,7 +410,8 @@ class Controller:
         self.faults.spend(faults)
         self._comm_errors = 0
         try:
-            self.persistence.after_commit(self.step)
+            if not self.members.missing:  # a shrunk job takes no snapshots (elastic.py)
+                self.persistence.after_commit(self.step)
         except RecoveryInterrupted as exc:  # lost while snapshotting: the step is committed
             self.records.append(record)
             self.on_step(record)
@@ -443,7 +449,7 @@ class Controller:
     def _everyone(self, method: str, args: Callable[[int], tuple[Any, ...]]) -> StepOutcome:
         """Run a step-like ``method`` on every rank (a rank without a worker is lost)."""
         assert self.group is not None
-        ranks = range(self.topology.world_size)
+        ranks = self.members.present()
         calls = {r: self.group.submit(r, method, *args(r)) for r in ranks}
         return await_step(self.group, calls, self.policy.timeouts.hang)
 
@@ -523,6 +529,7 @@ class Controller:
         failure, most = self._failure, self.policy.max_recoveries
         if most is not None and len(self.events) >= most:
             raise RecoveryError(f"{failure.describe(self.topology)}\nmax_recoveries={most} reached")
+        failure.lost |= self.members.missing  # a shrink's missing are rebuilt with the rest
         lost, reports = self.members.leave_generation(set(failure.lost))
         if failure.cause == "communication error" and not lost:
             self._back_off(failure)
@@ -576,13 +583,14 @@ class Controller:
                     redundancy=redundancy,
                     policy=self.policy,
                 )
-            return plan(
+            planned = plan(
                 self.topology,
                 rec.lost,
                 redundancy,
                 self.policy,
                 rollback_all=numerical or rec.failure.suspect,
             )
+            return grow_plan(planned) if rec.failure.cause == _GROW else planned
         except RedundancyExhausted as exc:
             raise RedundancyExhausted(f"{rec.failure.describe(self.topology)}\n{exc}") from None
 
@@ -597,18 +605,62 @@ class Controller:
         if cold:
             rebuild = list(range(self.topology.world_size))
             self.group.kill(rec.alive)
+        elif self._can_shrink(rec) and not self.members.warm_cover(rebuild):
+            self._shrink(rec, "no warm spare is ready", t0)  # a cold start would stall everyone
+            return
         placement = self.members.replacements(rebuild)
         try:
             rec.warm = self.members.start(
                 placement, spares=not cold, what="start replacement workers"
             )
-        except PlacementFailed as exc:  # no room: no plan can help (elastic shrink is not on)
+        except PlacementFailed as exc:  # no room
+            if not cold and self._can_shrink(rec):
+                self._shrink(rec, str(exc), t0)
+                return
             why = f"{rec.failure.describe(self.topology)}\n{exc}"
             raise PlacementFailed(why, unplaced=exc.unplaced) from None
+        self.members.missing = set()
         if not cold:
             self.members.add_spares(self.policy.hot_spares - self.group.spare_count())
         rec.add_time("replace", t0)
         self.phase = Phase.REFORMING
+
+    def _can_shrink(self, rec: _Recovery) -> bool:
+        """Whether this recovery may leave its lost workers out (see [Note: elastic shrink])."""
+        return self.policy.elastic and shrinkable(self.topology, rec.plan, rec.lost)
+
+    def _shrink(self, rec: _Recovery, why: str, since: float) -> None:
+        """Train on without the lost workers; ask for their replacements as spares, placed
+        wherever there is room, to grow back with (see [Note: elastic shrink])."""
+        assert self.group is not None
+        self.group.kill(rec.lost)
+        rec.plan = shrink_plan(rec.plan, rec.lost)
+        self.members.missing = set(rec.lost)
+        wanted = self.policy.hot_spares + len(rec.lost)
+        self.members.add_spares(wanted - self.group.spare_count(), anywhere=True)
+        log.warning(
+            "shrinking: training on without %s until their replacements are ready (%s)",
+            ", ".join(str(self.topology.worker(r)) for r in sorted(rec.lost)),
+            why.splitlines()[0][:300],
+        )
+        rec.add_time("replace", since)
+        self.phase = Phase.REFORMING
+
+    def _grow(self) -> None:
+        """Every missing worker has a ready spare: bring them back at this step boundary
+        (a recovery whose plan copies each from a live replica of its stage)."""
+        now = time.time()
+        self._failure = Failure(
+            step=self.step,
+            lost=set(self.members.missing),
+            cause=_GROW,
+            detected_at=now,
+            struck_at=now,
+            errors={},
+            generation=self.generation,
+        )
+        log.info("growing back: replacements are ready")
+        self.phase = Phase.RECOVERING
 
     def _reform(self) -> None:
         """REFORMING: the next generation's process groups, on a fresh store prefix."""
@@ -649,7 +701,8 @@ class Controller:
             transfers_corrupted=corrupted,
         )
         self._finish_event(resumed=False)  # the last recovery's next step failed, too
-        self._pending_event = PendingEvent(event)
+        if not (rec.failure.cause == _GROW and rec.plan.strategy == Strategy.SHRINK):
+            self._pending_event = PendingEvent(event)  # (a grow that found no spare: no event)
         self._failure = self._recovery = None
         self.step = rec.plan.resume_step
         if rec.plan.strategy == Strategy.REPLICA_VOTE:  # everyone holds the majority's state

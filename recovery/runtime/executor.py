@@ -73,6 +73,11 @@ def _replica_copy(ctx: Restore, actions: Sequence[RecoveryAction], step: int) ->
     return calls
 
 
+def _left_out(ctx: Restore, actions: Sequence[RecoveryAction], step: int) -> Transfers:
+    """A shrink: the workers it leaves out get nothing (see recovery/runtime/elastic.py)."""
+    return {}
+
+
 def _from_mirror(ctx: Restore, actions: Sequence[RecoveryAction], step: int) -> Transfers:
     """The mirror holder sends the shard it mirrors (restored exact, or partially stale)."""
     calls: Transfers = {}
@@ -108,6 +113,8 @@ def _rebuild(ctx: Restore, actions: Sequence[RecoveryAction], step: int) -> Tran
 PER_ACTION: dict[Strategy, Callable[[Restore, Sequence[RecoveryAction], int], Transfers]] = {
     Strategy.REPLICA_COPY: _replica_copy,
     Strategy.REPLICA_VOTE: _replica_copy,
+    Strategy.GROW: _replica_copy,
+    Strategy.SHRINK: _left_out,
     Strategy.SHARD_MIRROR: _from_mirror,
     Strategy.EMBEDDING_PARTIAL: _from_mirror,
     Strategy.NEIGHBOR_AVERAGE: _rebuild,

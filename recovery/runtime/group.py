@@ -192,7 +192,9 @@ class WorkerGroup(abc.ABC):
     ) -> None:
         """Start one hot spare on each of ``nodes`` and warm it up, without waiting.
 
-        ``warm() -> (method, args)`` is the warm-up call to make on each.
+        ``warm() -> (method, args)`` is the warm-up call to make on each. A node ``""``:
+        wherever there is room, now or when some node has room later (its node is known
+        once it is ready, see `ready_spare_nodes`).
         """
 
     @abc.abstractmethod
@@ -210,6 +212,11 @@ class WorkerGroup(abc.ABC):
     def spare_nodes(self) -> list[str]:
         """The node of each hot spare held, as far as the group knows it is alive. `start`
         with ``spares=True`` takes a spare only on the node it is asked for."""
+
+    @abc.abstractmethod
+    def ready_spare_nodes(self) -> list[str]:
+        """The node of each hot spare whose warm-up has finished (without waiting); a
+        spare whose warm-up failed is dropped."""
 
     # -- calls -------------------------------------------------------------------------
 

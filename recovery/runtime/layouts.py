@@ -188,6 +188,17 @@ class ReplicatedStages(StateLayout):
                 f"fingerprint_every={self.policy.fingerprint_every} needs two or more "
                 f"replicas to compare, the job has {self.topology.replicas}"
             )
+        if self.policy.elastic and self.topology.replicas < 2:
+            raise ValueError(
+                f"elastic=True needs two or more pipeline replicas (one to train on while "
+                f"another is missing), the job has {self.topology.replicas}"
+            )
+        if self.policy.elastic and self.spec.shared_params is not None:
+            raise ValueError(
+                "elastic=True does not combine with parameters shared between stages "
+                "(CheckFree+'s (de)embedding replicas): their group spans the missing "
+                "workers; use approximate='checkfree' or elastic=False"
+            )
 
 
 class Zero1Shards(StateLayout):
@@ -195,6 +206,11 @@ class Zero1Shards(StateLayout):
     mirrored on replica ``r+1`` of the same stage (a fixed ring, see parallelism/zero.py)."""
 
     def validate(self, backend: str, device: str | None = None) -> None:
+        if self.policy.elastic:
+            raise ValueError(
+                "elastic=True does not combine with shard_optimizer (ZeRO-1): a missing "
+                "replica's optimizer shard cannot be left out"
+            )
         if self.policy.fingerprint_every:
             raise ValueError(
                 "fingerprint_every does not combine with shard_optimizer (ZeRO-1): the "
@@ -249,6 +265,11 @@ class ShardedTables(StateLayout):
         )
 
     def validate(self, backend: str, device: str | None = None) -> None:
+        if self.policy.elastic:
+            raise ValueError(
+                "elastic=True does not combine with sharded embedding tables: every worker "
+                "holds a shard nobody else trains"
+            )
         if self.policy.fingerprint_every:
             raise ValueError(
                 "fingerprint_every does not combine with sharded embedding tables: every "

@@ -23,6 +23,7 @@ from recovery.errors import PlacementFailed
 from recovery.placement import place, replacement_node
 from recovery.policy import RecoveryPolicy
 from recovery.runtime.detection import settle
+from recovery.runtime.elastic import shares
 from recovery.runtime.group import Call, WorkerGroup, require, seconds
 from recovery.runtime.layouts import StateLayout
 from recovery.runtime.ledger import RedundancyLedger
@@ -78,6 +79,9 @@ class Membership:
         self.assignment: dict[int, str] = place(topology, self.job_nodes)
         """Rank -> the node its worker runs on (as started)."""
         self.hosts: dict[int, str] = {}
+        self.missing: set[int] = set()
+        """Ranks a shrink left out: no worker, not in the generation (see [Note: elastic
+        shrink] in recovery/runtime/elastic.py)."""
 
     def start_job(self) -> None:
         """Start the policy's hot spares and every worker (reusing parked ones), and wait
@@ -121,11 +125,31 @@ class Membership:
         """Whether any of ``ranks`` ran on a lost node."""
         return any(self.assignment.get(r) in self.lost_nodes for r in ranks)
 
-    def replacements(self, ranks: Collection[int]) -> dict[int, str]:
+    def present(self) -> list[int]:
+        """The ranks of the current generation: all of them, less the missing."""
+        return [r for r in range(self.topology.world_size) if r not in self.missing]
+
+    def warm_cover(self, ranks: Collection[int]) -> bool:
+        """Whether every one of ``ranks`` would be rebuilt on a spare that is ready now."""
+        ready = self.group.ready_spare_nodes()
+        placement = self.replacements(ranks, ready)
+        budget = Counter(ready)
+        for node in placement.values():
+            budget[node] -= 1
+            if budget[node] < 0:
+                return False
+        return True
+
+    def replacements(
+        self, ranks: Collection[int], spare_nodes: Collection[str] | None = None
+    ) -> dict[int, str]:
         """A node for each rank to rebuild, keeping replicas of a stage apart and using the
-        hot spares where that rule allows (a spare is only taken on its own node)."""
+        hot spares (``spare_nodes``; default every spare, ready or not) where that rule
+        allows (a spare is only taken on its own node)."""
         nodes = [n for n in self.group.nodes() if n not in self.lost_nodes] or self.group.nodes()
-        spares = Counter(n for n in self.group.spare_nodes() if n in nodes)
+        if spare_nodes is None:
+            spare_nodes = self.group.spare_nodes()
+        spares = Counter(n for n in spare_nodes if n in nodes)
         placement: dict[int, str] = {}
         planned = dict(self.assignment)
         for rank in sorted(ranks):
@@ -179,10 +203,16 @@ class Membership:
         require(built, "build stages")
         return warm
 
-    def add_spares(self, count: int) -> None:
+    def add_spares(self, count: int, *, anywhere: bool = False) -> None:
         """Start ``count`` more hot spares, warming up, each on the live node that holds the
         fewest workers and spares: a spare can stand in only for a worker whose stage has
-        no other replica on its node, so an idle node's spare can replace anyone."""
+        no other replica on its node, so an idle node's spare can replace anyone.
+        ``anywhere``: wherever the scheduler finds room, now or later (a shrunk job's
+        replacements: a node that joins later takes them)."""
+        if anywhere:
+            warm = ("warm", (self.spec, self.topology, self.backend, self.device))
+            self.group.add_spares([""] * max(0, count), lambda: warm)
+            return
         nodes = self.live_nodes()
         load = Counter(n for n in self.assignment.values() if n in nodes)
         load.update(n for n in self.group.spare_nodes() if n in nodes)
@@ -217,11 +247,14 @@ class Membership:
             seconds(timeout),
             collective_s=seconds(self.policy.timeouts.backend_timeout),
         )
-        peer = bool(self.policy.snapshots.peer_every) and self.topology.world_size > 1
+        whole = not self.missing  # a shrunk generation takes no snapshots (elastic.py)
+        peer = whole and bool(self.policy.snapshots.peer_every) and self.topology.world_size > 1
         mirrors = self.layout.mirrors_on_ring and self.topology.world_size > 1
         ring = buddies(self.topology, self.assignment) if peer or mirrors else {}
         self.ledger.ring = ring
         wards = {buddy: ward for ward, buddy in ring.items()}
+        members = None if whole else tuple(self.present())
+        roles = shares(self.topology, self.missing)
         calls = {
             rank: self.group.submit(
                 rank,
@@ -232,8 +265,10 @@ class Membership:
                 peer,
                 ring.get(rank),
                 wards.get(rank),
+                members,
+                roles.get(rank),
             )
-            for rank in range(self.topology.world_size)
+            for rank in self.present()
         }
 
         def drop_store(pending: list[Call]) -> None:

@@ -343,7 +343,7 @@ class RayWorkerGroup(WorkerGroup):
 
     def spare_nodes(self) -> list[str]:
         alive = set(self.nodes())
-        gone = [spare for spare in self._spares if spare[1] not in alive]
+        gone = [spare for spare in self._spares if spare[1] and spare[1] not in alive]
         for spare in gone:  # a spare on a lost node: forget it (and make sure it is gone)
             self._spares.remove(spare)
             actor = spare[0]
@@ -351,6 +351,31 @@ class RayWorkerGroup(WorkerGroup):
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
         return [node for _, node in self._spares]
+
+    def ready_spare_nodes(self) -> list[str]:
+        self.spare_nodes()  # forget the spares of lost nodes first
+        ready: list[str] = []
+        for index, (actor, node) in enumerate(list(self._spares)):
+            ref = self._warming.get(id(actor))
+            try:
+                if ref is not None:
+                    done, _ = ray.wait([ref], timeout=0)
+                    if not done:
+                        continue
+                    ray.get(ref)
+                    del self._warming[id(actor)]
+                if not node:  # placed wherever there was room: ask where
+                    node = ray.get(actor.info.remote(), timeout=_POLL_S * 10).node_id
+                    self._spares[index] = (actor, node)
+            except Exception:  # died or failed warming up: no spare
+                self._warming.pop(id(actor), None)
+                self._spares[index] = (actor, "<dead>")
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
+                continue
+            ready.append(node)
+        self._spares = [sp for sp in self._spares if sp[1] != "<dead>"]
+        return ready
 
     def _take_spare(self, node: str) -> Any | None:
         """A spare on ``node`` (the caller's info() call awaits its warm-up), if any. Never

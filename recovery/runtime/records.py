@@ -51,7 +51,11 @@ def step_record(
     """The record of a committed step, from every worker's report."""
     loss_sum = sum(r.stats.loss_sum for r in reports.values())
     count = sum(r.stats.losses for r in reports.values())
-    norms = [reports[topology.rank(s, 0)].stats.clipped_grad_norm for s in range(topology.stages)]
+    # Any replica's norm (they are equal); the first present one (a shrink may lack some).
+    norms = [
+        next(reports[r] for r in topology.stage_group(s) if r in reports).stats.clipped_grad_norm
+        for s in range(topology.stages)
+    ]
     busy = sum(r.stats.compute_s for r in reports.values())
     span = sum(r.stats.schedule_s for r in reports.values())
     return StepRecord(

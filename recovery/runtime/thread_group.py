@@ -10,7 +10,9 @@ What a process death is here: an injected `Kill` raises `_ThreadKilled` inside t
 are torn down at once, so its peers see the same "connection reset" a real death gives
 them, and every call on it -- a call in flight included, as with a dead Ray actor -- is a
 `WorkerLost`. An injected hang blocks until the worker is killed. Nodes are names
-(``"node-0"``, ...); `remove_node` loses one with every worker on it. `chaos` kills
+(``"node-0"``, ...); `remove_node` loses one with every worker on it, `add_node` adds one.
+With ``slots`` a node holds that many workers and spares: a worker that finds no room is
+unplaced, and a spare asked for anywhere waits for room (as Ray's do). `chaos` kills
 workers from outside, at points the controller does not know about (tests of failures
 during a recovery).
 """
@@ -104,6 +106,7 @@ class ThreadWorkerGroup(WorkerGroup):
         *,
         nodes: Sequence[str] = ("node-0",),
         threads: int = 1,
+        slots: int | None = None,
     ) -> None:
         if not nodes:
             raise ValueError("ThreadWorkerGroup needs at least one node")
@@ -113,6 +116,10 @@ class ThreadWorkerGroup(WorkerGroup):
         self._workers: dict[int, _Worker] = {}
         self._spares: list[_Worker] = []
         self._warming: dict[int, Future[Any]] = {}
+        self.slots = slots
+        """Workers and spares a node holds (None: any number)."""
+        self._waiting: list[Callable[[], tuple[str, tuple[Any, ...]]]] = []
+        """Spares asked for anywhere that found no room yet (their warm-up calls)."""
         self.started = 0
         """Workers created so far (spares included): what a test counts to see reuse."""
         self.chaos: Callable[[int, str], float | None] | None = None
@@ -136,6 +143,27 @@ class ThreadWorkerGroup(WorkerGroup):
 
     def nodes(self) -> list[str]:
         return list(self._nodes)
+
+    def add_node(self, node: str) -> None:
+        """A node joins (with room for ``slots`` workers): spares waiting for room go there."""
+        self._nodes.append(node)
+        self._place_waiting()
+
+    def _room(self, node: str) -> bool:
+        if self.slots is None:
+            return True
+        held = sum(w.node == node for w in self._workers.values() if not w.dead.is_set())
+        held += sum(s.node == node for s in self._spares if not s.dead.is_set())
+        return held < self.slots
+
+    def _place_waiting(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        for warm in waiting:
+            node = next((n for n in self._nodes if self._room(n)), None)
+            if node is None:
+                self._waiting.append(warm)
+            else:
+                self._start_spare(node, warm)
 
     def remove_node(self, node: str) -> list[int]:
         """Lose ``node``: every worker and spare on it dies. Returns the ranks lost."""
@@ -169,6 +197,9 @@ class ThreadWorkerGroup(WorkerGroup):
                 out.lost[rank] = WorkerLost(rank, f"node {node} is not alive")
                 continue
             worker = self._take_spare(node) if spares else None
+            if worker is None and not self._room(node):
+                out.unplaced[rank] = f"no room on node {node} ({self.slots} slots, all held)"
+                continue
             if worker is None:
                 worker = self._new(node)
             else:
@@ -217,10 +248,17 @@ class ThreadWorkerGroup(WorkerGroup):
         self, nodes: Sequence[str], warm: Callable[[], tuple[str, tuple[Any, ...]]]
     ) -> None:
         for node in nodes:
-            spare = self._new(node)
-            method, args = warm()
-            self._warming[id(spare)] = spare.main.submit(self._run, spare, method, args)
-            self._spares.append(spare)
+            if node:
+                self._start_spare(node, warm)
+            else:
+                self._waiting.append(warm)
+        self._place_waiting()
+
+    def _start_spare(self, node: str, warm: Callable[[], tuple[str, tuple[Any, ...]]]) -> None:
+        spare = self._new(node)
+        method, args = warm()
+        self._warming[id(spare)] = spare.main.submit(self._run, spare, method, args)
+        self._spares.append(spare)
 
     def await_spares(
         self, timeout: timedelta | float, place_timeout: timedelta | float | None = None
@@ -237,10 +275,24 @@ class ThreadWorkerGroup(WorkerGroup):
         return len(self._spares)
 
     def spare_count(self) -> int:
-        return len(self._spares)
+        return len(self._spares) + len(self._waiting)
 
     def spare_nodes(self) -> list[str]:
         return [s.node for s in self._spares if not s.dead.is_set()]
+
+    def ready_spare_nodes(self) -> list[str]:
+        self._place_waiting()
+        ready = []
+        for spare in list(self._spares):
+            warming = self._warming.get(id(spare))
+            if warming is not None and not warming.done():
+                continue
+            if spare.dead.is_set() or (warming is not None and warming.exception() is not None):
+                self._kill(spare)
+                self._spares.remove(spare)
+                continue
+            ready.append(spare.node)
+        return ready
 
     # -- calls -------------------------------------------------------------------------
 
@@ -315,7 +367,7 @@ class ThreadWorkerGroup(WorkerGroup):
 
     def shutdown(self, *, clean: bool) -> None:
         workers = list(self._workers.values()) + self._spares
-        self._workers, self._spares, self._warming = {}, [], {}
+        self._workers, self._spares, self._warming, self._waiting = {}, [], {}, []
         for worker in workers:
             self._kill(worker)
             with contextlib.suppress(Exception):
