@@ -211,7 +211,10 @@ def test_a_node_loss_with_no_room_shrinks_and_grows_back_when_a_node_joins(clust
                 # replacements are warm on the new node, so the job grows before it ends.
                 ready_by = time.monotonic() + 90
                 missing = set(controller.members.missing)
-                while not controller.members.warm_cover(missing) and time.monotonic() < ready_by:
+                while (
+                    set(controller.members.warm_placement(missing)) != missing
+                    and time.monotonic() < ready_by
+                ):
                     time.sleep(0.2)
             controller.advance()
         states = controller.states()

@@ -316,7 +316,7 @@ class Controller:
                 if self.step >= self.target_steps:
                     self._finish_event(resumed=False)  # a recovery after the last commit
                     self.phase = Phase.FINISHED
-                elif self.members.missing and self.members.warm_cover(self.members.missing):
+                elif self.members.missing and self.members.warm_placement(self.members.missing):
                     self._grow()
                 else:
                     self._train_step()
@@ -605,8 +605,8 @@ class Controller:
         if cold:
             rebuild = list(range(self.topology.world_size))
             self.group.kill(rec.alive)
-        elif self._can_shrink(rec) and not self.members.warm_cover(rebuild):
-            self._shrink(rec, "no warm spare is ready", t0)  # a cold start would stall everyone
+        elif self._can_shrink(rec):  # a cold start would stall everyone: leave those out
+            self._shrink(rec, self.members.warm_placement(rebuild), "no warm spare is ready", t0)
             return
         placement = self.members.replacements(rebuild)
         try:
@@ -615,7 +615,7 @@ class Controller:
             )
         except PlacementFailed as exc:  # no room
             if not cold and self._can_shrink(rec):
-                self._shrink(rec, str(exc), t0)
+                self._shrink(rec, {}, str(exc), t0)
                 return
             why = f"{rec.failure.describe(self.topology)}\n{exc}"
             raise PlacementFailed(why, unplaced=exc.unplaced) from None
@@ -629,26 +629,40 @@ class Controller:
         """Whether this recovery may leave its lost workers out (see [Note: elastic shrink])."""
         return self.policy.elastic and shrinkable(self.topology, rec.plan, rec.lost)
 
-    def _shrink(self, rec: _Recovery, why: str, since: float) -> None:
-        """Train on without the lost workers; ask for their replacements as spares, placed
-        wherever there is room, to grow back with (see [Note: elastic shrink])."""
+    def _shrink(self, rec: _Recovery, warm: dict[int, str], why: str, since: float) -> None:
+        """Bring back the lost workers that have a ready spare (``warm``: rank -> the node of
+        its spare), train on without the others, and ask for their replacements as spares,
+        placed wherever there is room, to grow back with (see [Note: elastic shrink])."""
         assert self.group is not None
-        self.group.kill(rec.lost)
-        rec.plan = shrink_plan(rec.plan, rec.lost)
-        self.members.missing = set(rec.lost)
-        wanted = self.policy.hot_spares + len(rec.lost)
+        left_out = rec.lost - set(warm)
+        self.group.kill(left_out)
+        back = sorted(warm)
+        if back:
+            placement = {rank: warm[rank] for rank in back}
+            try:
+                rec.warm = self.members.start(
+                    placement, spares=True, what="start replacement workers"
+                )
+            except PlacementFailed:  # the spares went meanwhile: leave those out too
+                self.group.kill(back)
+                left_out |= set(back)
+        rec.plan = shrink_plan(rec.plan, left_out)
+        self.members.missing = set(left_out)
+        wanted = self.policy.hot_spares + len(left_out)
         self.members.add_spares(wanted - self.group.spare_count(), anywhere=True)
-        log.warning(
-            "shrinking: training on without %s until their replacements are ready (%s)",
-            ", ".join(str(self.topology.worker(r)) for r in sorted(rec.lost)),
-            why.splitlines()[0][:300],
-        )
+        if left_out:
+            log.warning(
+                "shrinking: training on without %s until their replacements are ready (%s)",
+                ", ".join(str(self.topology.worker(r)) for r in sorted(left_out)),
+                why.splitlines()[0][:300],
+            )
         rec.add_time("replace", since)
         self.phase = Phase.REFORMING
 
     def _grow(self) -> None:
-        """Every missing worker has a ready spare: bring them back at this step boundary
-        (a recovery whose plan copies each from a live replica of its stage)."""
+        """Some missing workers have a ready spare: bring them back at this step boundary (a
+        recovery whose plan copies each from a live replica of its stage; the ones still
+        without a spare stay out)."""
         now = time.time()
         self._failure = Failure(
             step=self.step,
@@ -659,7 +673,7 @@ class Controller:
             errors={},
             generation=self.generation,
         )
-        log.info("growing back: replacements are ready")
+        log.info("growing back: replacements are ready")  # (some of them, maybe)
         self.phase = Phase.RECOVERING
 
     def _reform(self) -> None:

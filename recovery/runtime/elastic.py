@@ -20,10 +20,13 @@ is the same in either order, and adding a zero changes nothing); with three or m
 additions run in another order than Gloo's ring, a rounding difference.
 
 Meanwhile replacements are asked for as spares (placed wherever Ray finds room, warming
-up in the background). At a step boundary, once every missing worker has a ready spare
-the job *grows*: everyone leaves the shrunk generation, the spares take the missing
-ranks, each is copied from a live replica of its stage (exact) and the full generation
-forms. Both are `RecoveryEvent`s (strategies ``shrink`` and ``grow``).
+up in the background). At a step boundary, once a missing worker has a ready spare the job
+*grows*: everyone leaves the shrunk generation, the spares take the missing ranks they
+can, each is copied from a live replica of its stage (exact), and the next generation
+forms -- the full one, or one still without those whose spare is not ready yet. Lost
+workers with a ready spare come back at once in the recovery that shrinks for the others.
+Both are `RecoveryEvent`s (strategies ``shrink`` and ``grow``; ``grow+shrink`` and
+``replica_copy+shrink`` when some come back and some stay out).
 
 Only what a shrink cannot lose is shrunk: every lost worker must be rebuildable from a
 live replica (a plan of replica copies, nobody else restored), at least one pipeline must
@@ -90,10 +93,14 @@ def shrinkable(topology: Topology, plan: RecoveryPlan, lost: Collection[int]) ->
     return bool(complete_replicas(topology, lost))
 
 
-def shrink_plan(plan: RecoveryPlan, lost: Collection[int]) -> RecoveryPlan:
-    """The plan that leaves ``lost`` out instead of rebuilding them."""
-    actions = tuple(RecoveryAction(rank, Strategy.SHRINK) for rank in sorted(lost))
-    return RecoveryPlan(actions=actions, resume_step=plan.resume_step, lost=tuple(sorted(lost)))
+def shrink_plan(plan: RecoveryPlan, left_out: Collection[int]) -> RecoveryPlan:
+    """``plan`` with the workers in ``left_out`` left out instead of rebuilt."""
+    actions = tuple(
+        RecoveryAction(a.rank, Strategy.SHRINK) if a.rank in left_out else a for a in plan.actions
+    )
+    return RecoveryPlan(
+        actions=actions, resume_step=plan.resume_step, lost=plan.lost, tier=plan.tier
+    )
 
 
 def grow_plan(plan: RecoveryPlan) -> RecoveryPlan:

@@ -129,16 +129,27 @@ class Membership:
         """The ranks of the current generation: all of them, less the missing."""
         return [r for r in range(self.topology.world_size) if r not in self.missing]
 
-    def warm_cover(self, ranks: Collection[int]) -> bool:
-        """Whether every one of ``ranks`` would be rebuilt on a spare that is ready now."""
+    def warm_placement(self, ranks: Collection[int]) -> dict[int, str]:
+        """Those of ``ranks`` that a spare ready now can take -> the spare's node: where
+        `replacements` would put them if a spare waits there, else on any ready spare left
+        (an elastic job: a replacement on a node that holds another replica of its stage
+        beats training on without it)."""
         ready = self.group.ready_spare_nodes()
-        placement = self.replacements(ranks, ready)
+        if not ready:
+            return {}
         budget = Counter(ready)
-        for node in placement.values():
-            budget[node] -= 1
-            if budget[node] < 0:
-                return False
-        return True
+        warm: dict[int, str] = {}
+        for rank, node in sorted(self.replacements(ranks, ready).items()):
+            if budget[node] > 0:
+                budget[node] -= 1
+                warm[rank] = node
+        for rank in sorted(set(ranks) - set(warm)):
+            left = next((n for n in ready if budget[n] > 0), None)
+            if left is None:
+                break
+            budget[left] -= 1
+            warm[rank] = left
+        return warm
 
     def replacements(
         self, ranks: Collection[int], spare_nodes: Collection[str] | None = None
