@@ -14,6 +14,7 @@ Needs the package installed (``pip install -e .``).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import statistics
@@ -338,6 +339,7 @@ def recovery(args: argparse.Namespace) -> None:
     top = Topology(args.stages, args.replicas)
     rows: list[list[str]] = []
     transfer_rows: list[list[str]] = []
+    elastic_rows: list[list[str]] = []
     calibration: dict[str, float] = {}
     for preset in args.presets.split(","):
         spec = TrainSpec.llama(
@@ -454,6 +456,8 @@ def recovery(args: argparse.Namespace) -> None:
                 )
         if not calibration:
             calibration = _calibration(measured, top)
+        if args.elastic_steps:
+            elastic_rows += _elastic_rows(spec, top, kill, args, preset)
     print()
     print(
         table(
@@ -485,6 +489,31 @@ def recovery(args: argparse.Namespace) -> None:
             transfer_rows,
         )
     )
+    if elastic_rows:
+        print()
+        print(
+            table(
+                [
+                    "model",
+                    "cold replacement",
+                    "step before kill (s)",
+                    "kill -> training again (s)",
+                    "survivors' stall: kill -> next commit (s)",
+                    "grow: stall (s)",
+                    "shrunk step (s)",
+                    "kill -> full strength (s)",
+                    "events",
+                ],
+                elastic_rows,
+            )
+        )
+        print(
+            "\nkill -> training again = detect + replace + reform + transfer of the first"
+            " recovery; survivors' stall adds the first step after it (a shrunk step, for the"
+            " elastic row); grow: stall = the grow's own pause (leave, reform, copy, first"
+            " step); full strength = the first commit with every worker back. elastic: the job"
+            " shrinks at once and grows back when the replacement (started as a spare) is warm."
+        )
     print(
         "\nkill -> training again = detect + replace + reform + transfer; kill -> first commit adds"
         " re-running the failed step (resume). The restart kill lands at a uniformly drawn step"
@@ -527,6 +556,56 @@ def _calibration(measured: dict[str, object], top: Topology) -> dict[str, object
         "snapshot_write_s": statistics.median(snap_t.get("snapshot_write", [0.0])),
         "snapshot_load_s": peer.breakdown["transfer"],
     }
+
+
+def _elastic_rows(
+    spec: TrainSpec, top: Topology, kill: object, args: argparse.Namespace, preset: str
+) -> list[list[str]]:
+    """The same kill with a cold replacement, without and with an elastic shrink, one after
+    the other: the survivors' stall and the time until the job is at full strength again."""
+    from recovery.faults import FailureSchedule
+    from recovery.policy import RecoveryPolicy
+
+    rows = []
+    for name, elastic in (("wait for it", False), ("elastic shrink", True)):
+        result = Trainer(
+            spec,
+            topology=top,
+            policy=RecoveryPolicy(snapshot_every=None, elastic=elastic),
+            failures=FailureSchedule([kill]),  # type: ignore[list-item]
+            collect_states=False,
+            backend=args.backend,
+            device=args.device,
+        ).fit(args.kill_step + args.elastic_steps)
+        first = result.events[0]
+        times = [(int(m["step"]), float(m["time"]), float(m["step_s"])) for m in result.metrics]
+        before = (
+            statistics.median(s for step, _, s in times if step < first.step)
+            if first.step
+            else math.nan
+        )
+        stall = min((t for _, t, _ in times if t > first.time), default=math.nan) - first.time
+        grown = [e for e in result.events if e.strategy == Strategy.GROW]
+        back_at = grown[0].time if grown else (first.time if not elastic else math.inf)
+        full = min((t for _, t, _ in times if t > back_at), default=math.nan) - first.time
+        shrunk = [s for _, t, s in times if first.time < t <= back_at]
+        idle = first.seconds - first.breakdown["resume"]
+        grow_stall = f"{grown[0].seconds:.2f}" if grown else "-"
+        rows.append(
+            [
+                preset,
+                name,
+                f"{before:.3f}",
+                f"{idle:.2f}",
+                f"{stall:.2f}",
+                grow_stall,
+                f"{statistics.median(shrunk):.3f}" if elastic and shrunk else "-",
+                f"{full:.2f}" if math.isfinite(full) else f"not within {args.elastic_steps} steps",
+                "+".join(e.strategy for e in result.events),
+            ]
+        )
+        print("  " + " | ".join(rows[-1][1:]), flush=True)
+    return rows
 
 
 def _back_at_failed_step(metrics: list[dict[str, float]], struck: float, step: int) -> float:
@@ -831,6 +910,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     r.add_argument(
         "--restart-every", type=int, default=50, help="checkpoint interval of the restart baseline"
+    )
+    r.add_argument(
+        "--elastic-steps",
+        type=int,
+        default=30,
+        help="steps after the kill for the elastic rows (cold start, with and without a shrink;"
+        " 0: skip them)",
     )
     r.add_argument("--seed", type=int, default=0, help="seed for the restart baseline's kill step")
     r.add_argument(

@@ -38,10 +38,25 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from parallelism import Topology
 from recovery import FitResult, RecoveryPolicy, Trainer, TrainSpec
-from recovery.chaos import ChaosMonkey, KillRecord, differences, kill_schedule
+from recovery.chaos import (
+    ChaosMonkey,
+    KillRecord,
+    differences,
+    kill_schedule,
+    relative_difference,
+)
+from recovery.names import Strategy
+
+LOSS_RTOL = 1e-6
+"""How close a shrunk job's losses are held to the uninterrupted run's (3+ replicas)."""
+STATE_RTOL = 1e-4
+"""How close its final weights and optimizer moments are held, each tensor by the norm of
+its difference (`recovery.chaos.relative_difference`): AdamW's division by the square root
+of a second moment amplifies a last-bit difference in a gradient."""
 
 WIDTH = 16
 
@@ -110,6 +125,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stages", type=int, default=2, help="pipeline stages")
     p.add_argument("--replicas", type=int, default=3, help="data-parallel replicas")
     p.add_argument("--hot-spares", type=int, default=1, help="RecoveryPolicy(hot_spares=...)")
+    p.add_argument(
+        "--elastic",
+        action="store_true",
+        help="RecoveryPolicy(elastic=True): shrink instead of waiting for a cold replacement; "
+        "with 3+ replicas a job that shrank is checked within LOSS_RTOL/STATE_RTOL",
+    )
     p.add_argument(
         "--snapshot-every",
         type=int,
@@ -212,6 +233,7 @@ def segment(
     folder = tempfile.TemporaryDirectory(prefix="chaos-")  # fresh: nothing to resume from
     policy = RecoveryPolicy(
         hot_spares=args.hot_spares,
+        elastic=args.elastic,
         snapshot_every=args.snapshot_every or None,
         durable_every=args.durable_every or None,
         snapshot_dir=folder.name if args.durable_every else None,
@@ -252,9 +274,45 @@ def segment(
             f"job {index}  recovered step {event.step}: {event.cause} {lost} -> "
             f"{event.strategy} in {event.seconds:.2f} s{extra}"
         )
-    diffs = differences(result.losses, oracle.losses, where="losses")
-    diffs += differences(result.states, oracle.states, where="states")
+    # A shrunk job of 3+ replicas adds its shares in another order than Gloo's ring (see
+    # recovery/runtime/elastic.py); one that ended shrunk has no state for its missing.
+    shrank = any(Strategy.SHRINK in e.strategy for e in result.events)
+    exact = _exact(args, result)
+    states = {k: v for k, v in oracle.states.items() if k in result.states or not shrank}
+    diffs = differences(
+        result.losses, oracle.losses, where="losses", rtol=0.0 if exact else LOSS_RTOL
+    )
+    diffs += differences(result.states, states, where="states", rtol=0.0 if exact else STATE_RTOL)
+    if not exact:
+        say(f"job {index}  {_gaps(result, oracle, states)}")
     return monkey.records, result, diffs, nodes
+
+
+def _gaps(result: FitResult, oracle: FitResult, states: dict[Any, Any]) -> str:
+    """How far a shrunk job ended from the uninterrupted run: the largest relative difference
+    of a loss, and of a final tensor (by norm, `relative_difference`)."""
+    losses = max(
+        (abs(a - b) / abs(b) for a, b in zip(result.losses, oracle.losses, strict=False) if b),
+        default=0.0,
+    )
+    tensors = [
+        relative_difference(a, b)
+        for key in sorted(states)
+        if key in result.states
+        for a, b in zip(tree_leaves(result.states[key]), tree_leaves(states[key]), strict=False)
+        if isinstance(b, torch.Tensor) and b.is_floating_point()
+    ]
+    return (
+        f"largest relative difference from the uninterrupted run: losses {losses:.1e}, "
+        f"final tensors {max(tensors, default=0.0):.1e}"
+    )
+
+
+def _exact(args: argparse.Namespace, result: FitResult) -> bool:
+    """Whether ``result`` is held to the bits of the uninterrupted run: yes, unless it shrank
+    with three or more replicas (see recovery/runtime/elastic.py)."""
+    shrank = any(Strategy.SHRINK in e.strategy for e in result.events)
+    return not shrank or args.replicas <= 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         kills: list[KillRecord] = []
         strategies: collections.Counter[str] = collections.Counter()
         interrupted = interruptions = multi = survived = died = oracle_ok = oracle_bad = 0
+        within = 0  # of oracle_ok: jobs that shrank with 3+ replicas, held within tolerance
         removed = added = idle = 0
         index = 0
         while True:
@@ -314,9 +373,16 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 else:
                     oracle_ok += 1
+                    within += not _exact(args, result)
                     say(
                         f"job {index}  finished in {result.wall_s:.1f} s "
-                        f"({len(result.events)} recoveries), bit-identical to the uninterrupted run"
+                        f"({len(result.events)} recoveries), "
+                        + (
+                            "bit-identical to the uninterrupted run"
+                            if _exact(args, result)
+                            else f"within rtol {LOSS_RTOL:g} (losses) / {STATE_RTOL:g} (states) "
+                            "of the uninterrupted run (it shrank)"
+                        )
                     )
             idle = 0 if any(r.landed for r in records) else idle + 1
             if idle >= 3:
@@ -340,8 +406,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     say(f"jobs: {survived} survived, {died} died")
     say(
-        f"oracle: {oracle_ok} of {survived + died} jobs bit-identical to the uninterrupted run "
-        f"(losses and final model and optimizer states, torch.equal)"
+        f"oracle: {oracle_ok - within} of {survived + died} jobs bit-identical to the "
+        f"uninterrupted run (losses and final model and optimizer states, torch.equal)"
+        + (
+            f", {within} that shrank within rtol {LOSS_RTOL:g} (losses) / {STATE_RTOL:g} "
+            f"(final tensors, by norm)"
+            if within
+            else ""
+        )
         + (f"; {oracle_bad} differ" if oracle_bad else "")
     )
     say(f"wall: {wall:.0f} s")

@@ -139,6 +139,20 @@ def test_the_oracle_sees_one_flipped_bit() -> None:
     assert differences([1.0, 2.0 + 1e-12], [1.0, 2.0]) != []
 
 
+def test_the_tolerance_of_a_shrunk_job_is_relative_and_for_floats_only() -> None:
+    """A job of 3+ replicas that shrank is held within a relative tolerance (elastic.py):
+    floats within it pass, beyond it fail; integers (a step count) stay exact."""
+    state = {"w": torch.tensor([1.0, -2.0]), "step": torch.tensor([4])}
+    near = {"w": torch.tensor([1.0 + 1e-7, -2.0]), "step": torch.tensor([4])}
+    far = {"w": torch.tensor([1.0 + 1e-3, -2.0]), "step": torch.tensor([4])}
+    assert differences(near, state) == ["/w: tensors differ"]
+    assert differences(near, state, rtol=1e-6) == []
+    assert differences(far, state, rtol=1e-6) == ["/w: tensors differ by more than rtol 1e-06"]
+    assert differences({**near, "step": torch.tensor([5])}, state, rtol=1e-6) != []
+    assert differences([1.0 + 1e-7], [1.0], rtol=1e-6) == []
+    assert differences([1.1], [1.0], rtol=1e-6) != []
+
+
 def _chaos(*args: str, timeout_s: float) -> tuple[int, str]:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
@@ -208,3 +222,23 @@ def test_the_soak_survives_a_hundred_kills_with_bursts_bit_identical() -> None:
     assert figures["landed"] >= 100 and figures["bursts"] > 0 and figures["died"] == 0, out
     assert figures["exact"] == figures["jobs"], out
     assert re.search(r"[1-9]\d* interrupted by a further failure", out), out[-3000:]
+
+
+SOAK_ELASTIC = [
+    "--elastic", "--kills", "100", "--mean-interval", "3", "--burst-prob", "0.3", "--seed", "0",
+    "--steps", "600", "--durable-every", "5", "--hot-spares", "1",
+]  # fmt: skip
+"""The elastic soak (the README's command): kills the one spare cannot cover shrink the job."""
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.timeout(4000)
+def test_the_elastic_soak_survives_a_hundred_kills_shrinking_and_growing() -> None:
+    rc, out = _chaos(*SOAK_ELASTIC, timeout_s=3900)
+    figures = _figures(out)
+    assert rc == 0, out[-5000:]
+    assert figures["landed"] >= 100 and figures["bursts"] > 0 and figures["died"] == 0, out
+    within = re.search(r", (\d+) that shrank within", out)
+    assert figures["exact"] + (int(within.group(1)) if within else 0) == figures["jobs"], out
+    assert re.search(r"recoveries: .*shrink \d+", out) and re.search(r"grow", out), out[-3000:]
