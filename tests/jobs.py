@@ -31,13 +31,17 @@ def make(
     nodes: int = 2,
     steps: int = STEPS,
     snapshot_dir: str | None = None,
+    slots: int | None = None,
 ) -> tuple[Controller, ThreadWorkerGroup]:
     """A started job (generation 0 formed) of ``spec`` on ``top``, set to train ``steps``
-    steps with ``faults`` injected, its workers threads spread over ``nodes`` nodes
-    (durable snapshots, if the policy takes them, in ``snapshot_dir``)."""
+    steps with ``faults`` injected, its workers threads spread over ``nodes`` nodes of
+    ``slots`` workers each (None: any number; durable snapshots, if the policy takes them,
+    in ``snapshot_dir``)."""
     policy = policy or RecoveryPolicy()
     group = ThreadWorkerGroup(
-        layout_for(spec, top, policy, 1).worker_cls, nodes=[f"node-{i}" for i in range(nodes)]
+        layout_for(spec, top, policy, 1).worker_cls,
+        nodes=[f"node-{i}" for i in range(nodes)],
+        slots=slots,
     )
     controller = Controller(
         spec,

@@ -18,14 +18,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from parallelism import Topology
-from recovery import FailureSchedule, Kill, RecoveryPolicy
+from recovery import Kill, RecoveryPolicy
 from recovery.errors import PlacementFailed
 from recovery.names import Strategy
 from recovery.planner import RecoveryAction, RecoveryPlan
-from recovery.runtime import Controller, ControllerConfig, Phase, ThreadWorkerGroup
+from recovery.runtime import Controller, Phase, ThreadWorkerGroup
 from recovery.runtime.elastic import complete_replicas, shares, shrinkable
-from recovery.runtime.layouts import layout_for
-from recovery.spec import TrainSpec
 from tests.jobs import drive, make
 from tests.workloads import mlp_spec
 
@@ -99,26 +97,11 @@ def _job(
     *faults: object,
     policy: RecoveryPolicy | None = None,
     slots: int | None = None,
-    spec: TrainSpec | None = None,
 ) -> tuple[Controller, ThreadWorkerGroup]:
-    policy = policy or RecoveryPolicy()
-    spec = spec or mlp_spec()
-    group = ThreadWorkerGroup(
-        layout_for(spec, top, policy, 1).worker_cls,
-        nodes=[f"node-{i}" for i in range(top.replicas)],
-        slots=slots,
+    """A started job on threads: a node per replica, ``slots`` workers a node."""
+    return make(
+        mlp_spec(), top, *faults, policy=policy, nodes=top.replicas, steps=STEPS, slots=slots
     )
-    controller = Controller(
-        spec,
-        top,
-        ControllerConfig(backend="gloo"),
-        policy=policy,
-        failures=FailureSchedule(list(faults)),  # type: ignore[arg-type]
-        group=group,
-    )
-    controller.start()
-    controller.target_steps = STEPS
-    return controller, group
 
 
 @pytest.fixture(scope="module")
