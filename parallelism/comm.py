@@ -33,6 +33,7 @@ import math
 import os
 import socket
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -251,6 +252,31 @@ def _socket_inodes() -> dict[int, str]:
     return out
 
 
+@contextlib.contextmanager
+def _held_socket(fd: int, target: str) -> Iterator[socket.socket | None]:
+    """The socket ``fd`` named when it was listed as ``target``, held by a duplicate; or None.
+
+    Between listing /proc/self/fd and using an fd, another thread may close it and reuse
+    the number for a new socket (a store client, the next generation's Gloo pair). The
+    duplicate keeps whatever the fd names *now* open, and its inode says whether that is
+    still the listed socket, so nothing else is ever touched.
+    """
+    sock: socket.socket | None = None
+    with contextlib.suppress(OSError):
+        dup = os.dup(fd)
+        try:
+            if f"socket:[{os.fstat(dup).st_ino}]" == target:
+                sock = socket.socket(fileno=dup)
+        finally:
+            if sock is None:
+                os.close(dup)
+    if sock is None:
+        yield None
+        return
+    with sock:
+        yield sock
+
+
 class _Transport:
     """The TCP connections of one worker's Gloo groups, so that `close` can cut them.
 
@@ -268,7 +294,9 @@ class _Transport:
         listening: set[int] = set()
         connected: dict[int, tuple[str, int, int]] = {}  # fd -> (inode, local port, remote port)
         for fd, inode in new.items():
-            with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as sock:
+            with contextlib.suppress(OSError), _held_socket(fd, inode) as sock:
+                if sock is None:
+                    continue
                 if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                     listening.add(sock.getsockname()[1])
                 elif sock.type == socket.SOCK_STREAM:
@@ -286,12 +314,11 @@ class _Transport:
 
     def shut_down(self) -> None:
         """Shut every Gloo connection down, waking all waiters here and at the peers."""
-        current = _socket_inodes()
         for fd, inode in self._sockets.items():
-            if current.get(fd) != inode:  # closed already, the fd now names something else
-                continue
-            with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as sock:
-                sock.shutdown(socket.SHUT_RDWR)
+            # Closed already, the fd may now name something else: only the listed socket.
+            with contextlib.suppress(OSError), _held_socket(fd, inode) as sock:
+                if sock is not None:
+                    sock.shutdown(socket.SHUT_RDWR)
         self._sockets = {}
 
 

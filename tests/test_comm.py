@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import datetime
+import os
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from parallelism import Topology
@@ -14,6 +17,8 @@ from parallelism.comm import (
     NcclSettings,
     Rendezvous,
     StageComm,
+    _socket_inodes,
+    _Transport,
     abort_groups,
     from_wire,
     host_store,
@@ -151,3 +156,34 @@ def test_a_tensor_off_the_wire_device_is_staged_on_it() -> None:
     assert staged is not t and staged.device.type == "meta"
     assert staged.shape == t.shape and staged.dtype == t.dtype
     assert from_wire(staged, torch.device("meta")) is staged
+
+
+def test_cutting_the_transport_spares_a_socket_that_reused_a_listed_fd(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The race of threads that leave one generation while others form the next.
+
+    A worker's `_Transport` lists its sockets by fd; another thread may close one of them
+    and get the same fd number for a new socket (its store client, the next generation's
+    Gloo pair) between the listing and the cut. Only the listed socket may be shut down:
+    here the listing is made stale on purpose and the new socket must keep working.
+    """
+    listed, listed_peer = socket.socketpair()
+    kept, kept_peer = socket.socketpair()
+    fd = listed.fileno()
+    stale = _socket_inodes()  # the listing, taken while ``fd`` was still the listed socket
+    transport = _Transport.__new__(_Transport)
+    transport._sockets = {fd: stale[fd], kept.fileno(): stale[kept.fileno()]}
+    reused, reused_peer = socket.socketpair()
+    listed.detach()
+    os.dup2(reused.fileno(), fd)  # ``fd`` now names another socket, as after close + reuse
+    monkeypatch.setattr("parallelism.comm._socket_inodes", lambda: dict(stale))
+    try:
+        transport.shut_down()
+        reused_peer.sendall(b"x")
+        assert os.read(fd, 1) == b"x"  # the socket that took the fd still works
+        assert kept_peer.recv(1) == b""  # the listed socket that is still open was cut
+    finally:
+        os.close(fd)
+        for s in (listed_peer, kept, kept_peer, reused, reused_peer):
+            s.close()
