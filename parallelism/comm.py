@@ -33,7 +33,7 @@ import math
 import os
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -405,6 +405,50 @@ def abort_groups(groups: list[_Group]) -> None:
             group.abort()
 
 
+# [Note: abandoning a formation]
+# Gloo connects a group's pairs inside ProcessGroupGloo's constructor, after the addresses
+# went through the generation's store. A peer that died (or gave up) after publishing its
+# address is waited for there, pair by pair, each for the group's timeout -- and dropping
+# the store, which fails every wait *on* it at once, no longer reaches that wait. So:
+# - the formation's waits are bounded by the join timeout (``formation``), not by the much
+#   longer collective one, which the group gets once it is formed (`_set_default_timeout`);
+# - the constructor runs on a helper thread, and the joiner waits for it in slices,
+#   giving up as soon as ``cancel`` is set: the controller tells every joiner still
+#   pending to abort when a formation fails (`Membership.form_generation`), and the
+#   worker's `abort` sets it. The abandoned constructor finishes or times out on its
+#   thread and its group is dropped; nothing of it is ever used.
+
+_FORMATION_SLICE_S = 0.05
+
+
+def _abandonable(build: Callable[[], _Group], cancel: threading.Event | None) -> _Group:
+    """``build()``, or a communication error as soon as ``cancel`` is set (see
+    [Note: abandoning a formation])."""
+    if cancel is None:
+        return build()
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["group"] = build()
+        except BaseException as exc:  # handed to the joiner, unless it has given up
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="checkfree-formation", daemon=True).start()
+    while not done.wait(_FORMATION_SLICE_S):
+        if cancel.is_set():
+            raise RuntimeError(
+                "gloo group formation abandoned: the generation was given up while a "
+                "connection to a peer was still pending"
+            )
+    if "error" in box:
+        raise box["error"]
+    return box["group"]
+
+
 def _make_group(
     backend: str,
     store: dist.Store,
@@ -413,12 +457,22 @@ def _make_group(
     bind_host: str,
     timeout: datetime.timedelta,
     device: torch.device | None = None,
+    *,
+    formation: datetime.timedelta | None = None,
+    cancel: threading.Event | None = None,
 ) -> _Group:
+    """A process group whose operations time out after ``timeout`` (c10d's own, a
+    backstop: docs/timeouts.md); for Gloo, see [Note: abandoning a formation] for
+    ``formation`` (default ``timeout``) and ``cancel``.
+    """
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-        opts._timeout = timeout
+        opts._timeout = formation or timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
-        return dist.ProcessGroupGloo(store, rank, size, opts)
+        group = _abandonable(lambda: dist.ProcessGroupGloo(store, rank, size, opts), cancel)
+        if formation is not None and formation != timeout:
+            group._set_default_timeout(timeout)
+        return group
     if backend == "nccl":
         gpu = device or torch.device("cuda", torch.cuda.current_device())
         settings = NcclSettings(timeout=timeout, device=gpu)
@@ -446,6 +500,8 @@ class StageComm:
             topology's). A shrunk job's generation leaves out the workers it runs without
             (see [Note: elastic shrink] in recovery/runtime/elastic.py); every group is formed
             over the members only, and callers keep using global ranks.
+        cancel: set (from another thread) to give up forming the groups at once, with a
+            communication error (see [Note: abandoning a formation]).
 
     Raises:
         RuntimeError: if the group cannot be formed within ``rendezvous.timeout_s``.
@@ -464,6 +520,7 @@ class StageComm:
         tied: tuple[int, ...] = (),
         device: torch.device | None = None,
         members: tuple[int, ...] | None = None,
+        cancel: threading.Event | None = None,
     ) -> None:
         self.topology = topology
         self.rank = rank
@@ -500,6 +557,8 @@ class StageComm:
             bind_host,
             collective,
             self.wire,
+            formation=timeout,
+            cancel=cancel,
         )
         self._stage: _Group | None = None
         stage_peers = [r for r in topology.stage_group(self.worker.stage) if r in self._index]
@@ -513,6 +572,8 @@ class StageComm:
                 bind_host,
                 collective,
                 self.wire,
+                formation=timeout,
+                cancel=cancel,
             )
         # The workers that hold bit-identical replicas of some parameters (CheckFree+'s
         # (de)embedding on stages 0 and 1, or S-2 and S-1), every replica of both stages.
@@ -520,7 +581,15 @@ class StageComm:
         if tied:
             tied_store = dist.PrefixStore("tied" + "_".join(map(str, tied)), self._store)
             self._tied = _make_group(
-                backend, tied_store, tied.index(rank), len(tied), bind_host, collective, self.wire
+                backend,
+                tied_store,
+                tied.index(rank),
+                len(tied),
+                bind_host,
+                collective,
+                self.wire,
+                formation=timeout,
+                cancel=cancel,
             )
         # A second, always-Gloo world group for traffic that runs beside the step on another
         # thread (peer snapshots in host memory): it never competes with the step's ordering.
@@ -528,7 +597,14 @@ class StageComm:
         if side_group:
             side_store = dist.PrefixStore("side", self._store)
             self._side = _make_group(
-                "gloo", side_store, self._index[rank], len(self._index), bind_host, collective
+                "gloo",
+                side_store,
+                self._index[rank],
+                len(self._index),
+                bind_host,
+                collective,
+                formation=timeout,
+                cancel=cancel,
             )
         self._transport = (
             _Transport(before, self._store, rank, list(self._index))

@@ -236,9 +236,7 @@ def recv_state(
     return int(step), total, dict(extra)
 
 
-def _receive(
-    comm: StageComm, src: int, meta: dict[str, Any], targets: list[torch.Tensor]
-) -> None:
+def _receive(comm: StageComm, src: int, meta: dict[str, Any], targets: list[torch.Tensor]) -> None:
     """Fill ``targets`` with what ``src`` sends: out of its memory if it offered that and
     is on this host (see [Note: same-host transfer]), else over the process group."""
     made = meta.get("same_host")

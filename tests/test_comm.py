@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -17,6 +18,7 @@ from parallelism.comm import (
     NcclSettings,
     Rendezvous,
     StageComm,
+    _abandonable,
     _socket_inodes,
     _Transport,
     abort_groups,
@@ -26,6 +28,7 @@ from parallelism.comm import (
     nccl_options,
     to_wire,
 )
+from recovery.worker.reports import is_comm_error
 
 
 def _pair(top: Topology) -> list[StageComm]:
@@ -187,3 +190,48 @@ def test_cutting_the_transport_spares_a_socket_that_reused_a_listed_fd(
         os.close(fd)
         for s in (listed_peer, kept, kept_peer, reused, reused_peer):
             s.close()
+
+
+def test_a_formation_waiting_on_a_peer_that_never_comes_is_abandoned_when_cancelled() -> None:
+    """[Note: abandoning a formation]: a joiner stuck forming its groups (here: its peer
+    never joins) gives up as soon as it is told to, with a communication error, instead of
+    waiting out the join timeout (20 s here)."""
+    store = host_store("127.0.0.1")
+    rdzv = Rendezvous("127.0.0.1", store.port, "gen0", 20)
+    cancel = threading.Event()
+    threading.Timer(0.3, cancel.set).start()
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError) as info:
+        StageComm(rdzv, Topology(1, 2), 0, "gloo", "127.0.0.1", cancel=cancel)
+    assert time.perf_counter() - start < 3.0
+    assert is_comm_error(info.value), info.value
+
+
+def test_an_abandonable_formation_returns_the_group_or_its_own_error() -> None:
+    assert _abandonable(lambda: "group", threading.Event()) == "group"
+
+    def broken() -> None:
+        raise ValueError("bad options")
+
+    with pytest.raises(ValueError, match="bad options"):
+        _abandonable(broken, threading.Event())
+
+
+def test_the_formation_timeout_bounds_joining_and_the_collective_one_the_operations() -> None:
+    """Formed with a 20 s join timeout, a group's operations keep the collective timeout."""
+    store = host_store("127.0.0.1")
+    rdzv = Rendezvous("127.0.0.1", store.port, "gen0", 20, collective_s=1.5)
+    with ThreadPoolExecutor(2) as pool:
+        futures = [
+            pool.submit(StageComm, rdzv, Topology(1, 2), r, "gloo", "127.0.0.1") for r in range(2)
+        ]
+        comms = [f.result(timeout=30) for f in futures]
+    try:
+        start = time.perf_counter()
+        work = comms[0]._stage.allreduce([torch.ones(2)])  # replica 1 never takes part
+        with pytest.raises(RuntimeError, match=r"[Tt]imed out"):
+            work.wait()
+        assert 1.0 < time.perf_counter() - start < 10.0
+    finally:
+        for c in comms:
+            c.close()

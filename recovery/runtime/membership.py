@@ -242,7 +242,8 @@ class Membership:
         here, so nothing from an older generation is ever read again -- and so that a
         formation that cannot complete (a worker died before joining) is cut short: the
         store is dropped at the first failure, which fails every join still waiting on it
-        at once instead of after the join timeout.
+        at once instead of after the join timeout, and the joiners still pending are told
+        to abort, which reaches those already past the store (connecting Gloo pairs).
 
         Raises:
             RecoveryInterrupted: naming the workers lost or broken while joining.
@@ -293,6 +294,10 @@ class Membership:
                 time.sleep(0.01)
             del joined
             store = None
+            # A joiner past the store waits inside Gloo for peers that will never connect:
+            # tell it to give up (see [Note: abandoning a formation] in parallelism/comm.py).
+            for rank in dict.fromkeys(call.rank for call in pending):
+                self.group.submit(rank, "abort")
 
         joined = settle(self.group, calls, seconds(timeout) + 10, on_failure=drop_store)
         require(joined, f"form generation {self.generation}")

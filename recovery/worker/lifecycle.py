@@ -10,6 +10,7 @@ snapshots, state transfers -- read and write the state it owns.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import torch
@@ -46,6 +47,9 @@ class WorkerLifecycle:
         torch.set_num_threads(threads)
         self.spec: TrainSpec | None = None
         self.comm: StageComm | None = None
+        self.forming: threading.Event | None = None
+        """Set by `abort` to give up the generation being formed (see
+        [Note: abandoning a formation] in parallelism/comm.py)."""
         self.generation = -1
         self.step = 0
         self.snapshots = SnapshotKeeper()
@@ -184,6 +188,7 @@ class WorkerLifecycle:
         start = time.perf_counter()
         self.leave()
         self.shares = shares
+        self.forming = threading.Event()
         self.comm = StageComm(
             rendezvous,
             self.topology,
@@ -194,6 +199,7 @@ class WorkerLifecycle:
             tied=self._tied_ranks(),
             device=self.device,
             members=members,
+            cancel=self.forming,
         )
         self.generation = generation
         self.buddy, self.ward = buddy, ward

@@ -286,8 +286,12 @@ class StageWorker(Snapshotting, StateTransfer):
         """Abandon the running step from outside it: tear down this generation's groups.
 
         Called from a control thread while ``run_step`` may be running: its next (or
-        current) communication fails, and peers blocked on this worker wake up.
+        current) communication fails, and peers blocked on this worker wake up. A
+        generation still being formed is given up (see [Note: abandoning a formation]).
         """
+        forming = self.forming
+        if forming is not None:
+            forming.set()
         comm = self.comm
         if comm is not None:
             comm.close()
