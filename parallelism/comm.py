@@ -549,63 +549,44 @@ class StageComm:
         self._store.set(f"joined/{rank}", "1")
         before = _socket_inodes()
         world_store = dist.PrefixStore("world", self._store)
-        self._world: _Group | None = _make_group(
-            backend,
-            world_store,
-            self._index[rank],
-            len(self._index),
-            bind_host,
-            collective,
-            self.wire,
-            formation=timeout,
-            cancel=cancel,
+
+        def form(
+            backend: str, store: dist.Store, rank: int, size: int, device: torch.device | None
+        ) -> _Group:
+            return _make_group(
+                backend,
+                store,
+                rank,
+                size,
+                bind_host,
+                collective,
+                device,
+                formation=timeout,
+                cancel=cancel,
+            )
+
+        self._world: _Group | None = form(
+            backend, world_store, self._index[rank], len(self._index), self.wire
         )
         self._stage: _Group | None = None
         stage_peers = [r for r in topology.stage_group(self.worker.stage) if r in self._index]
         if len(stage_peers) > 1:
             stage_store = dist.PrefixStore(f"stage{self.worker.stage}", self._store)
-            self._stage = _make_group(
-                backend,
-                stage_store,
-                stage_peers.index(rank),
-                len(stage_peers),
-                bind_host,
-                collective,
-                self.wire,
-                formation=timeout,
-                cancel=cancel,
+            self._stage = form(
+                backend, stage_store, stage_peers.index(rank), len(stage_peers), self.wire
             )
         # The workers that hold bit-identical replicas of some parameters (CheckFree+'s
         # (de)embedding on stages 0 and 1, or S-2 and S-1), every replica of both stages.
         self._tied: _Group | None = None
         if tied:
             tied_store = dist.PrefixStore("tied" + "_".join(map(str, tied)), self._store)
-            self._tied = _make_group(
-                backend,
-                tied_store,
-                tied.index(rank),
-                len(tied),
-                bind_host,
-                collective,
-                self.wire,
-                formation=timeout,
-                cancel=cancel,
-            )
+            self._tied = form(backend, tied_store, tied.index(rank), len(tied), self.wire)
         # A second, always-Gloo world group for traffic that runs beside the step on another
         # thread (peer snapshots in host memory): it never competes with the step's ordering.
         self._side: _Group | None = None
         if side_group:
             side_store = dist.PrefixStore("side", self._store)
-            self._side = _make_group(
-                "gloo",
-                side_store,
-                self._index[rank],
-                len(self._index),
-                bind_host,
-                collective,
-                formation=timeout,
-                cancel=cancel,
-            )
+            self._side = form("gloo", side_store, self._index[rank], len(self._index), None)
         self._transport = (
             _Transport(before, self._store, rank, list(self._index))
             if backend == "gloo" or side_group

@@ -217,7 +217,9 @@ def test_an_abandonable_formation_returns_the_group_or_its_own_error() -> None:
         _abandonable(broken, threading.Event())
 
 
-def test_the_formation_timeout_bounds_joining_and_the_collective_one_the_operations() -> None:
+def test_a_group_formed_under_the_join_timeout_times_out_its_operations_after_the_collective_one() -> (
+    None
+):
     """Formed with a 20 s join timeout, a group's operations keep the collective timeout."""
     store = host_store("127.0.0.1")
     rdzv = Rendezvous("127.0.0.1", store.port, "gen0", 20, collective_s=1.5)

@@ -33,7 +33,15 @@ from recovery.runtime.group import Call, CallResults, WorkerGroup, WorkerLost, s
 from recovery.runtime.records import Failure
 from recovery.worker import StepReport
 
-__all__ = ["PROBE_TIMEOUT", "StepOutcome", "await_step", "failure_of", "non_finite", "settle"]
+__all__ = [
+    "PROBE_TIMEOUT",
+    "StepOutcome",
+    "abort_pending",
+    "await_step",
+    "failure_of",
+    "non_finite",
+    "settle",
+]
 
 log = logging.getLogger("checkfree")
 
@@ -73,7 +81,7 @@ def await_step(
     """
     hang_s = seconds(hang_timeout)
     every = min(max(hang_s / 4, 0.05), 5.0)
-    abort = _abort_pending(group)
+    abort = abort_pending(group)
     waiting = list(calls.values())
     failed_at: float | None = None
     hung: set[int] = set()
@@ -129,7 +137,7 @@ def settle(
         Exception: the original error of a worker whose own code raised (not a
             communication error, see `WorkerGroup.gather`).
     """
-    _wait_or_abort(group, calls, timeout, _returned, on_failure or _abort_pending(group))
+    _wait_or_abort(group, calls, timeout, _returned, on_failure or abort_pending(group))
     return group.gather(calls, timeout=0)
 
 
@@ -160,7 +168,9 @@ def _wait_or_abort(
     return waiting
 
 
-def _abort_pending(group: WorkerGroup) -> Callable[[list[Call]], None]:
+def abort_pending(group: WorkerGroup) -> Callable[[list[Call]], None]:
+    """What tells the workers of pending calls to abort (each once, on its control thread)."""
+
     def abort(pending: list[Call]) -> None:
         for rank in dict.fromkeys(call.rank for call in pending):
             group.submit(rank, "abort")

@@ -22,7 +22,7 @@ from parallelism.topology import Topology
 from recovery.errors import PlacementFailed
 from recovery.placement import place, replacement_node
 from recovery.policy import RecoveryPolicy
-from recovery.runtime.detection import settle
+from recovery.runtime.detection import abort_pending, settle
 from recovery.runtime.elastic import shares
 from recovery.runtime.group import Call, WorkerGroup, require, seconds
 from recovery.runtime.layouts import StateLayout
@@ -296,8 +296,7 @@ class Membership:
             store = None
             # A joiner past the store waits inside Gloo for peers that will never connect:
             # tell it to give up (see [Note: abandoning a formation] in parallelism/comm.py).
-            for rank in dict.fromkeys(call.rank for call in pending):
-                self.group.submit(rank, "abort")
+            abort_pending(self.group)(pending)
 
         joined = settle(self.group, calls, seconds(timeout) + 10, on_failure=drop_store)
         require(joined, f"form generation {self.generation}")
