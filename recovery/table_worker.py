@@ -153,10 +153,10 @@ class TableWorker(StageWorker):
         self.coll = _StageCollective(self.comm, timeout)
         return seconds
 
-    def reset(self) -> None:
-        super().reset()
+    def reset(self, release: bool = True) -> None:
         for name in ("table", "mirror", "coll", "tracker"):
             self.__dict__.pop(name, None)
+        super().reset(release)
 
     # -- the two phases ------------------------------------------------------------------
 

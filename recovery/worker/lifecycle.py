@@ -25,6 +25,7 @@ from recovery.spec import TrainSpec
 from recovery.strategies.checkfree import CheckFreeConfig
 from recovery.worker.callbacks import guard_callbacks
 from recovery.worker.keeper import SnapshotKeeper
+from recovery.worker.memory import keep_freed_memory, release_freed_memory
 from recovery.worker.reports import WorkerInfo
 
 __all__ = ["WorkerLifecycle"]
@@ -45,6 +46,7 @@ class WorkerLifecycle:
 
     def __init__(self, threads: int = 1) -> None:
         torch.set_num_threads(threads)
+        keep_freed_memory()  # see [Note: a worker keeps its freed memory]
         self.spec: TrainSpec | None = None
         self.comm: StageComm | None = None
         self.forming: threading.Event | None = None
@@ -214,8 +216,13 @@ class WorkerLifecycle:
             self.comm = None
         self.snapshots.join_exchange()
 
-    def reset(self) -> None:
-        """Drop the job: process groups, module, optimizer. The process stays warm for reuse."""
+    def reset(self, release: bool = True) -> None:
+        """Drop the job: process groups, module, optimizer. The process stays warm for reuse.
+
+        ``release``: give the freed memory back to the kernel (a worker parked for another
+        job); a spare's warm-up keeps it for the state it will receive (see [Note: a worker
+        keeps its freed memory] in recovery/worker/memory.py).
+        """
         self.leave()
         self.snapshots.close()
         self.spec = None
@@ -223,19 +230,22 @@ class WorkerLifecycle:
             self.__dict__.pop(name, None)
         self.generation = -1
         self.step = 0
+        if release:
+            release_freed_memory()
 
     def warm(
         self, spec: TrainSpec, topology: Topology, backend: str, device: str | None = None
     ) -> float:
         """Pay a worker's one-time costs ahead of need (a hot spare): build a stage, run an
-        optimizer step, form a one-worker process group. Returns seconds taken."""
+        optimizer step. The memory they touched stays with the process, for the state a
+        replacement receives. Returns seconds taken."""
         start = time.perf_counter()
         self.setup(spec, topology, 0, backend, device)
         inputs, _ = spec.split(spec.batches(0, 0, topology.replicas), step=0, replica=0)
         out = self.module(inputs[0].to(self.device))  # autograd's first use is slow too
         out.float().sum().backward()
         self.optimizer.step()
-        self.reset()
+        self.reset(release=False)
         return time.perf_counter() - start
 
     def state(self) -> dict[str, object]:
