@@ -205,3 +205,29 @@ def test_a_survivor_that_does_not_answer_the_recovery_is_killed_and_replaced(
     assert dead_when_replaced == [True], "the stuck survivor was left running"
     assert group.started == started + 2  # fresh workers for both
     assert_equal_states(controller.final_states, clean.final_states)  # type: ignore[attr-defined]
+
+
+def test_a_recovery_takes_a_spare_and_a_new_one_is_asked_for_after_the_next_commit() -> None:
+    """[Note: restocking spares after the first step]: the spare that replaced a lost
+    worker is not restocked while the recovery and the step after it run (a spare warming
+    up would compete with them for the CPU), but as soon as that step has committed."""
+    top = Topology(2, 2)
+    controller, group = make(
+        mlp_spec(), top, Kill(step=2, stage=1, replica=0), policy=RecoveryPolicy(hot_spares=1)
+    )
+    assert group.spare_count() == 1
+    during: list[int] = []  # spares while the recovered job publishes its event
+    controller.on_event = lambda event: during.append(group.spare_count())
+    after: list[int] = []
+    try:
+        while controller.phase not in (Phase.FINISHED, Phase.FAILED):
+            published = len(controller.events)
+            controller.advance()
+            if len(controller.events) > published:  # this advance committed that step
+                after.append(group.spare_count())
+    finally:
+        controller.shutdown()
+    assert controller.phase is Phase.FINISHED, controller.error
+    (event,) = controller.events
+    assert any(a["warm"] for a in event.actions), event.actions
+    assert during == [0] and after == [1]
