@@ -122,12 +122,16 @@ def _describe(
     return meta, tensors, names
 
 
-def _seal(
-    meta: dict[str, Any], tensors: list[torch.Tensor], names: list[str], flip: int | None
+def _digests(names: list[str], tensors: list[torch.Tensor]) -> list[list[str]]:
+    """The sender's ``[name, digest]`` of each tensor it sends (see [Note: checked transfers])."""
+    return [[n, digest(t)] for n, t in zip(names, tensors, strict=True)]
+
+
+def _outgoing(
+    tensors: list[torch.Tensor], names: list[str], flip: int | None
 ) -> list[torch.Tensor]:
-    """Put the sender's digests of ``tensors`` in ``meta``; return what to send: the
-    tensors, or (``flip``: the injected fault) copies with one bit flipped after hashing."""
-    meta["digests"] = [[n, digest(t)] for n, t in zip(names, tensors, strict=True)]
+    """What to send: the tensors, or (``flip``: the injected fault) copies with one bit
+    flipped -- the digests are the originals', so the flip is one made in flight."""
     if flip is None:
         return tensors
     copies = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
@@ -135,9 +139,16 @@ def _seal(
     return copies
 
 
-def _check(meta: dict[str, Any], targets: list[torch.Tensor], src: int, rank: int) -> None:
+def _check(
+    meta: dict[str, Any],
+    targets: list[torch.Tensor],
+    src: int,
+    rank: int,
+    got: list[str] | None = None,
+) -> None:
     """Raise `TransferCorrupted` if what arrived in ``targets`` differs from the sender's
-    digests (see [Note: checked transfers])."""
+    digests (see [Note: checked transfers]). ``got``: the targets' digests, if taken already
+    (as they landed)."""
     with _reading(src):
         sent = [(str(name), str(hexdigest)) for name, hexdigest in meta["digests"]]
     if len(sent) != len(targets):
@@ -145,7 +156,9 @@ def _check(meta: dict[str, Any], targets: list[torch.Tensor], src: int, rank: in
             f"a state description from rank {src} with {len(sent)} digests for "
             f"{len(targets)} tensors"
         )
-    bad = tuple(n for (n, d), t in zip(sent, targets, strict=True) if digest(t) != d)
+    if got is None or len(got) != len(targets):
+        got = [digest(t) for t in targets]
+    bad = tuple(n for (n, d), g in zip(sent, got, strict=True) if g != d)
     if bad:
         raise TransferCorrupted(
             f"state from rank {src} to rank {rank} arrived corrupted: {', '.join(bad)} "
@@ -179,18 +192,23 @@ def send_state(
     """
     meta, tensors, names = _describe(module, optimizer, step)
     meta["extra"] = extra or {}
-    tensors = _seal(meta, tensors, names, flip)
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    made = same_host.offer(tensors) if wait and local and comm.backend == "gloo" else None
+    outgoing = _outgoing(tensors, names, flip)
+    nbytes = sum(t.numel() * t.element_size() for t in outgoing)
+    made = same_host.offer(outgoing) if wait and local and comm.backend == "gloo" else None
     if made is not None:
+        # The receiver starts copying at once; the digests follow once taken, here,
+        # while it copies (see [Note: same-host transfer] in recovery/same_host.py).
         meta["same_host"] = made
-    header = send_header(comm, dst, meta)
-    if made is not None:
+        header = send_header(comm, dst, meta)
+        header += send_header(comm, dst, _digests(names, tensors))
         answer = comm.recv(torch.zeros(1, dtype=torch.int64), dst)
         if int(answer) == same_host.TAKEN:  # copied out of our memory: nothing to send
             comm.wait_sends()
             return int(header + nbytes)
-    for t in tensors:
+    else:
+        meta["digests"] = _digests(names, tensors)
+        header = send_header(comm, dst, meta)
+    for t in outgoing:
         comm.isend(t.detach(), dst)
     if wait:
         comm.wait_sends()
@@ -229,26 +247,38 @@ def recv_state(
         for index, entry in meta["optimizer"]["state"].items():
             state[index] = _allocate_entry(entry, comm.device, targets)
         param_groups, step, extra = meta["optimizer"]["param_groups"], meta["step"], meta["extra"]
-    _receive(comm, src, meta, targets)
-    _check(meta, targets, src, comm.rank)
+    header += _receive(comm, src, meta, targets)
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
     total = header + sum(t.numel() * t.element_size() for t in targets)
     return int(step), total, dict(extra)
 
 
-def _receive(comm: StageComm, src: int, meta: dict[str, Any], targets: list[torch.Tensor]) -> None:
-    """Fill ``targets`` with what ``src`` sends: out of its memory if it offered that and
-    is on this host (see [Note: same-host transfer]), else over the process group."""
+def _receive(comm: StageComm, src: int, meta: dict[str, Any], targets: list[torch.Tensor]) -> int:
+    """Fill ``targets`` with what ``src`` sends and check it against the sender's digests:
+    out of its memory if it offered that and is on this host (see [Note: same-host
+    transfer]), else over the process group. Returns the bytes of the digests' own header
+    (an offer's come after it).
+
+    Raises:
+        TransferCorrupted: if what arrived differs from the sender's digests.
+    """
     made = meta.get("same_host")
-    if made is not None:
-        if not isinstance(made, dict):
-            raise GarbledMessage(f"a state description from rank {src} with a bad offer")
-        taken = same_host.read_offer(made, targets, src)
-        comm.isend(torch.tensor([same_host.TAKEN if taken else same_host.DECLINED]), src)
-        comm.wait_sends()
-        if taken:
-            return
-    comm.recv_many(targets, src)
+    if made is None:
+        comm.recv_many(targets, src)
+        _check(meta, targets, src, comm.rank)
+        return 0
+    if not isinstance(made, dict):
+        raise GarbledMessage(f"a state description from rank {src} with a bad offer")
+    got: list[str] = []  # hashed here as they land, while the rest is copied
+    taken = same_host.read_offer(made, targets, src, lambda i: got.append(digest(targets[i])))
+    meta["digests"], size = recv_header(comm, src)
+    comm.isend(torch.tensor([same_host.TAKEN if taken else same_host.DECLINED]), src)
+    comm.wait_sends()
+    if not taken:
+        comm.recv_many(targets, src)
+        got = []
+    _check(meta, targets, src, comm.rank, got)
+    return size
 
 
 def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -275,7 +305,7 @@ def send_named(
         name: _describe_entry(entry, tensors, names, f"optim.{name}") for name, entry in opt.items()
     }
     meta = {"model": [(k, *_tensor_meta(v)[1:]) for k, v in model.items()], "moments": meta_opt}
-    tensors = _seal(meta, tensors, names, None)
+    meta["digests"] = _digests(names, tensors)
     header = send_header(comm, dst, meta)
     for t in tensors:
         comm.isend(t, dst)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -76,8 +77,8 @@ def taken(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
     answers: list[bool] = []
     real = same_host.read_offer
 
-    def spy(*args: Any) -> bool:
-        answers.append(real(*args))
+    def spy(*args: Any, **kwargs: Any) -> bool:
+        answers.append(real(*args, **kwargs))
         return answers[-1]
 
     monkeypatch.setattr(same_host, "read_offer", spy)
@@ -189,6 +190,87 @@ def test_a_read_resumes_after_short_reads(monkeypatch: pytest.MonkeyPatch) -> No
     assert made is not None and same_host.read_offer(made, targets, src=0)
     assert len(calls) > 3
     assert all(torch.equal(a, b) for a, b in zip(sources, targets, strict=True))
+
+
+def _helpers() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name == "checkfree-same-host"]
+
+
+def test_each_tensor_is_handed_over_as_it_lands_while_the_rest_is_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The receiver hashes what landed while a helper thread reads the rest: ``landed(i)``
+    comes in order, once target ``i`` holds its bytes, and nothing is read after the call
+    returns (the helper is gone)."""
+    monkeypatch.setattr(same_host, "BATCH_BYTES", 1)  # a batch per tensor
+    sources = [torch.randn(1000), torch.randn(7), torch.randn(3, 5).t(), torch.arange(300)]
+    offered = [t.contiguous() for t in sources]
+    targets = [torch.empty(3, 5).t() if t.dim() == 2 else torch.empty_like(t) for t in sources]
+    made = same_host.offer(offered)
+    assert made is not None
+    seen: list[tuple[int, bool]] = []
+
+    def landed(i: int) -> None:
+        seen.append((i, torch.equal(targets[i], sources[i])))
+
+    assert same_host.read_offer(made, targets, src=0, landed=landed)
+    assert seen == [(i, True) for i in range(len(sources))]
+    assert _helpers() == []
+
+
+def test_a_sender_lost_in_the_middle_of_a_pipelined_read_is_a_communication_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failure after some tensors landed raises on the receiver's thread, and the
+    helper thread is gone before it does (nothing writes into the targets afterwards)."""
+    monkeypatch.setattr(same_host, "BATCH_BYTES", 1)
+    real = same_host._READV
+    calls = []
+
+    def gone_after_two(*args: Any) -> int:
+        calls.append(1)
+        if len(calls) > 2:
+            ctypes.set_errno(errno.ESRCH)
+            return -1
+        return int(real(*args))
+
+    monkeypatch.setattr(same_host, "_READV", gone_after_two)
+    sources = [torch.randn(100) for _ in range(5)]
+    made = same_host.offer(sources)
+    assert made is not None
+    landed: list[int] = []
+    with pytest.raises(ConnectionError) as err:
+        same_host.read_offer(made, [torch.empty(100) for _ in sources], 4, landed.append)
+    assert is_comm_error(err.value) and "rank 4" in str(err.value)
+    assert landed == [0, 1] and _helpers() == []
+
+
+def test_a_pipelined_read_the_kernel_refuses_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(same_host, "BATCH_BYTES", 1)
+
+    def refuse(*_: Any) -> int:
+        ctypes.set_errno(errno.EPERM)
+        return -1
+
+    monkeypatch.setattr(same_host, "_READV", refuse)
+    monkeypatch.setattr(same_host, "_refused", [])
+    sources = [torch.randn(100) for _ in range(3)]
+    made = same_host.offer(sources)
+    assert made is not None
+    landed: list[int] = []
+    assert not same_host.read_offer(made, [torch.empty(100) for _ in sources], 0, landed.append)
+    assert landed == [] and _helpers() == []
+
+
+def test_a_transfer_in_batches_gives_the_same_bits_as_gloo(
+    taken: list[bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through send_state/recv_state with every tensor a batch of its own: the digests
+    taken as tensors land and the ones that follow the offer check the same bits."""
+    monkeypatch.setattr(same_host, "BATCH_BYTES", 1)
+    by_memory = _transfer(local=True)
+    assert taken == [True]
+    _assert_same(by_memory, _transfer(local=False))
 
 
 def test_a_source_killed_mid_transfer_is_retried_and_the_job_ends_exact(
