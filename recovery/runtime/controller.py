@@ -439,10 +439,10 @@ class Controller:
         with the recovery's transfer and first step wherever it shares cores with the
         workers (measured on the 2-core machine, 100 MB 1x2 job: the first step after a
         warm-spare recovery took 0.45 s instead of 0.25-0.30, and kill -> training again
-        0.72 s instead of 0.52). So a recovery only takes spares; the job asks for new ones
-        after its first commit, and their warm-up runs at the lowest CPU priority
-        (`recovery.worker.lifecycle.WorkerLifecycle.warm`). A failure before that commit
-        finds one spare fewer, as it would while a spare warms up anyway.
+        0.72 s instead of 0.52). So a recovery only takes spares, and the job asks for new
+        ones after its first commit. A failure before that commit finds one spare fewer,
+        as it would while a spare warms up anyway. (The steps right after still share the
+        cores with the new spare while it starts, on a machine this small.)
         """
         if not self._restock or self.group is None:
             return
