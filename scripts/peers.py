@@ -6,8 +6,9 @@ The workload is the one of a standard peer harness: 1 stage x 2 replicas, 4 x
 ``Linear(w, w)`` with ReLU, AdamW(lr 1e-4), batches of 8 random inputs and targets, MSE,
 one torch thread per process; replica 1 is SIGKILLed in the middle of a step after
 ``KILL_AFTER`` committed steps. Per system, per size, per repetition it measures the
-steady step (median of the committed steps before the kill, after warm-up) and the time
-from the kill until both replicas have committed a step again:
+steady step (median wall time between consecutive committed steps before the kill,
+after warm-up; every system's the same way) and the time from the kill until both
+replicas have committed a step again:
 
 - **torchrun + DDP** (Gloo): ``torch.distributed.run`` with restarts; rank 0 writes
   ``torch.save`` every 10 steps and a restart loads it (the steps since are redone). Each
@@ -23,6 +24,10 @@ from the kill until both replicas have committed a step again:
   the library's ``FailureSchedule`` (``KillPoint.MID_PIPELINE``, a real SIGKILL), with a
   cold replacement and with a warm spare; the time is the recovery event's
   (detect + replace + reform + transfer + resume to the first commit).
+
+A second table splits checkfree's recoveries into their phases and sets the state
+transfer's rate beside a memcpy of the same bytes, measured in this process right after
+each run.
 
 torchft's manager and torch's TCPStore listen on every interface: with ``--isolate`` (the
 default when this runs as root and ``unshare`` exists) everything runs in a private
@@ -49,6 +54,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -200,6 +206,10 @@ class Row:
     steady: list[float] = field(default_factory=list)
     back: list[float] = field(default_factory=list)
     note: str = ""
+    events: list[Any] = field(default_factory=list)
+    """checkfree: each run's recovery event."""
+    memcpy: list[float] = field(default_factory=list)
+    """checkfree: per event, seconds of a memcpy of its bytes, measured right after it."""
 
 
 def free_port() -> int:
@@ -344,9 +354,27 @@ def run_checkfree(width: int, spares: int, out: Path) -> tuple[float, float]:
         failures=FailureSchedule([kill]),
         collect_states=False,
     ).fit(KILL_AFTER + AFTER_KILL)
-    step_s = [m["step_s"] for m in result.metrics if m["step"] < KILL_AFTER][WARMUP:]
+    # Wall time between committed steps, as the peers' step logs measure it.
+    commits = [(m["step"], m["time"]) for m in result.metrics]
     (event,) = result.events
-    return statistics.median(step_s), event.seconds
+    RECOVERIES.append(event)
+    return _steady(commits), event.seconds
+
+
+RECOVERIES: list[object] = []
+"""The recovery events of the checkfree runs (`run_checkfree`), for the transfer table."""
+
+
+def _memcpy_seconds(nbytes: int) -> float:
+    """Seconds of one in-memory copy of ``nbytes`` into memory already touched (best of 5)."""
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src).fill_(0)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def _fmt(values: list[float]) -> str:
@@ -384,6 +412,7 @@ def bench(sizes: list[int], repeats: int, isolated: bool) -> None:
                 continue
             for rep in range(repeats):
                 print(f"[{size} MB] {name}: run {rep + 1}/{repeats}", file=sys.stderr, flush=True)
+                RECOVERIES.clear()
                 with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
                     try:
                         steady, back = fn(Path(tmp))
@@ -393,6 +422,9 @@ def bench(sizes: list[int], repeats: int, isolated: bool) -> None:
                         continue
                 row.steady.append(steady)
                 row.back.append(back)
+                row.events.extend(RECOVERIES)
+                for event in RECOVERIES:  # the same bytes copied here, right after
+                    row.memcpy.append(_memcpy_seconds(event.bytes_moved))  # type: ignore[attr-defined]
     print(
         f"\nPeers, 1 stage x 2 replicas, 4 x Linear(w, w) + ReLU, AdamW, batch {BATCH}, MSE; "
         f"replica 1 SIGKILLed mid-step after {KILL_AFTER} steps; medians of {repeats} "
@@ -423,6 +455,40 @@ def bench(sizes: list[int], repeats: int, isolated: bool) -> None:
                 f"| {size} MB | {r.system} | {_fmt(r.steady)} | {ratio} | {_fmt(r.back)} | {back} |"
                 + (f" {r.note}" if r.note else "")
             )
+    _recovery_table(rows)
+
+
+def _recovery_table(rows: list[Row]) -> None:
+    """checkfree's recoveries, phase by phase, and the state transfer against a memcpy of
+    the same bytes on this machine (measured right after each run)."""
+    mine = [r for r in rows if r.events]
+    if not mine:
+        return
+    print(
+        "\ncheckfree recoveries: phases (medians, s); transfer rate against a memcpy of the "
+        "same bytes, both measured in this run."
+    )
+    print(
+        "| size | system | detect | replace | reform | transfer | resume | state MB "
+        "| transfer GB/s | memcpy GB/s | of memcpy |"
+    )
+    print("|" + "---|" * 11)
+    for r in mine:
+        phases = [
+            statistics.median(e.breakdown[p] for e in r.events)
+            for p in ("detect", "replace", "reform", "transfer", "resume")
+        ]
+        nbytes = statistics.median(e.bytes_moved for e in r.events)
+        rates = [e.bytes_moved / e.breakdown["transfer"] for e in r.events]
+        copies = [e.bytes_moved / m for e, m in zip(r.events, r.memcpy, strict=True)]
+        shares = [a / b for a, b in zip(rates, copies, strict=True)]
+        print(
+            f"| {r.size_mb} MB | {r.system} | "
+            + " | ".join(f"{x:.3f}" for x in phases)
+            + f" | {nbytes / 1e6:.0f} | {statistics.median(rates) / 1e9:.2f} "
+            f"| {statistics.median(copies) / 1e9:.2f} | {100 * statistics.median(shares):.0f}% "
+            f"({100 * min(shares):.0f}-{100 * max(shares):.0f}%) |"
+        )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
