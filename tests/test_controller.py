@@ -231,3 +231,35 @@ def test_a_recovery_takes_a_spare_and_a_new_one_is_asked_for_after_the_next_comm
     (event,) = controller.events
     assert any(a["warm"] for a in event.actions), event.actions
     assert during == [0] and after == [1]
+
+
+def test_a_commit_is_waited_for_with_the_next_steps_reports_unless_something_needs_it() -> None:
+    """[Note: pipelined commit]: the next step's calls go out before the commits are
+    waited for -- except where a snapshot (here every 2 steps) or the end of the job needs
+    the update applied first. (Deaths in the commit: the kill-point test above.)"""
+    controller, group = make(mlp_spec(), Topology(2, 2), policy=RecoveryPolicy(snapshot_every=2))
+    log: list[tuple[str, int]] = []
+    submit, gather = group.submit, group.gather
+
+    def spy_submit(rank: int, method: str, *args: object) -> object:
+        if rank == 0 and method in ("run_step", "commit"):
+            log.append((method, int(args[0])))  # type: ignore[call-overload]
+        return submit(rank, method, *args)
+
+    def spy_gather(calls, timeout):  # type: ignore[no-untyped-def]
+        steps = {c.method for c in calls.values()}
+        if steps == {"commit"}:
+            log.append(("waited", -1))
+        return gather(calls, timeout)
+
+    group.submit, group.gather = spy_submit, spy_gather  # type: ignore[method-assign]
+    drive(controller)
+    assert controller.phase is Phase.FINISHED, controller.error
+    order = [m if s < 0 else f"{m} {s}" for m, s in log]
+    assert order == [
+        "run_step 0", "commit 0", "run_step 1", "waited",  # pipelined
+        "commit 1", "waited", "run_step 2",  # 2 steps committed: a snapshot is due
+        "commit 2", "run_step 3", "waited",
+        "commit 3", "waited", "run_step 4",
+        "commit 4", "waited",  # the last step
+    ]  # fmt: skip

@@ -65,10 +65,16 @@ from recovery.faults import FailureSchedule
 from recovery.names import Strategy
 from recovery.planner import RecoveryPlan, plan
 from recovery.policy import RecoveryPolicy
-from recovery.runtime.detection import StepOutcome, await_step, failure_of, non_finite
+from recovery.runtime.detection import (
+    StepOutcome,
+    abort_pending,
+    await_step,
+    failure_of,
+    non_finite,
+)
 from recovery.runtime.elastic import grow_plan, shrink_plan, shrinkable
 from recovery.runtime.executor import execute_or_fall_back
-from recovery.runtime.group import WorkerGroup, WorkerLost
+from recovery.runtime.group import Call, WorkerGroup, WorkerLost
 from recovery.runtime.injection import Armed, InjectedFaults, fault_time
 from recovery.runtime.layouts import StateLayout, layout_for
 from recovery.runtime.ledger import RedundancyLedger
@@ -158,6 +164,16 @@ class _Recovery:
         self.breakdown[phase] = self.breakdown.get(phase, 0.0) + time.perf_counter() - since
 
 
+@dataclass
+class _PendingCommit:
+    """A step whose commit was sent and not yet waited for (see [Note: pipelined commit])."""
+
+    step: int
+    calls: dict[int, Call]
+    struck_at: float
+    faults: Armed
+
+
 def _ray_group(layout: StateLayout, config: ControllerConfig) -> WorkerGroup:
     """The default group: Ray actors (Ray is imported only when it is used)."""
     from recovery.runtime.ray_group import RayWorkerGroup
@@ -221,6 +237,7 @@ class Controller:
         communication errors with nobody lost])."""
         self._pending_event: PendingEvent | None = None
         self._restock = False
+        self._pending_commit: _PendingCommit | None = None
         """Spares were taken by a recovery: start new ones once training is back (see
         [Note: restocking spares after the first step])."""
         self.tokens_per_step = 0
@@ -317,10 +334,12 @@ class Controller:
         try:
             if self.phase is Phase.RUNNING:
                 if self.step >= self.target_steps:
-                    self._finish_event(resumed=False)  # a recovery after the last commit
-                    self.phase = Phase.FINISHED
+                    if self._settle_commit():
+                        self._finish_event(resumed=False)  # a recovery after the last commit
+                        self.phase = Phase.FINISHED
                 elif self.members.missing and self.members.warm_placement(self.members.missing):
-                    self._grow()
+                    if self._settle_commit():
+                        self._grow()
                 else:
                     self._train_step()
             elif self.phase is Phase.RECOVERING:
@@ -371,7 +390,15 @@ class Controller:
         struck_at = time.time()
         faults = self.faults.arm(step, self.members)
         check = self._check_due(step)
-        outcome = self._everyone("run_step", lambda r: (step, faults.get(r, ()), check))
+        calls = {
+            r: self.group.submit(r, "run_step", step, faults.get(r, ()), check)
+            for r in self.members.present()
+        }
+        broke = self._wait_commit()  # the last step's, if it was pipelined
+        if broke:  # died applying it: this step cannot complete, and is run again
+            abort_pending(self.group)(list(calls.values()))
+        outcome = await_step(self.group, calls, self.policy.timeouts.hang)
+        outcome.lost.update(broke)
         if not outcome.ok:
             self._fail(step, outcome, struck_at, faults)
             return
@@ -390,9 +417,7 @@ class Controller:
                 self._corrupted(step, verdict, struck_at)
                 return
             self.verified = step
-        commits = self.group.call(
-            "commit", args=lambda r: (step,), timeout=self.policy.timeouts.hang
-        )
+        commits = {r: self.group.submit(r, "commit", step) for r in self.group.ranks()}
         record = step_record(
             self.topology,
             step,
@@ -404,14 +429,15 @@ class Controller:
         )
         self.ledger.note_norms(record.grad_norms)
         self.step = step + 1
-        if not commits.ok:  # died while applying: the step is committed for everyone else
+        self._pending_commit = _PendingCommit(step, commits, struck_at, faults)
+        if self._may_pipeline():  # the next step's calls go out before this one's are back
             self.records.append(record)
             self.on_step(record)
-            lost = commits.as_lost()  # a worker that broke mid-update is rebuilt, too
-            self._fail(self.step, StepOutcome(lost=lost), struck_at, faults)
             return
-        self.faults.spend(faults)
-        self._comm_errors = 0
+        if not self._settle_commit():  # died while applying: committed for everyone else
+            self.records.append(record)
+            self.on_step(record)
+            return
         try:
             if not self.members.missing:  # a shrunk job takes no snapshots (elastic.py)
                 self.persistence.after_commit(self.step)
@@ -429,6 +455,58 @@ class Controller:
         self.on_step(record)
         self._finish_event()
         self._restock_spares()
+
+    def _may_pipeline(self) -> bool:
+        """Whether the commit just sent may be waited for with the next step's reports.
+
+        [Note: pipelined commit]
+        A worker runs its calls in the order the controller sent them (one Ray actor
+        thread; one executor per thread worker), so ``commit(k)`` is applied before
+        ``run_step(k + 1)`` starts wherever both were sent. The controller therefore sends
+        the next step's calls right after the commits and waits for both together: one
+        round trip to every worker per step instead of two (~2 ms each on the 2-core
+        machine, 7% of a 10 MB step). The step is committed when every report said ready,
+        as before; a worker that dies or breaks while applying it is found when the commits
+        are waited for and fails the next step, which is abandoned everywhere and run
+        again after the recovery -- what a death in the commit did before, one step later.
+        Only when nothing else needs the update applied first: no snapshot or checkpoint
+        or evaluation due, not the last step, no recovery event waiting for its first
+        commit (its time runs to the commit applied), not a shrunk job (it may grow at
+        the boundary).
+        """
+        nxt = self.step
+        return (
+            nxt < self.target_steps
+            and self._pending_event is None
+            and not self._restock
+            and not self.members.missing
+            and not self.persistence.due(nxt)
+            and not (self.config.eval_every and nxt % self.config.eval_every == 0)
+        )
+
+    def _wait_commit(self) -> dict[int, WorkerLost]:
+        """Wait for the commits in flight: the workers that died or broke applying them
+        (their step stays committed for everyone else)."""
+        pending, self._pending_commit = self._pending_commit, None
+        if pending is None:
+            assert self.group is not None
+            return {}
+        assert self.group is not None
+        commits = self.group.gather(pending.calls, self.policy.timeouts.hang)
+        lost = commits.as_lost()  # a worker that broke mid-update is rebuilt, too
+        self.faults.spend(pending.faults, lost or None)
+        if not lost:
+            self._comm_errors = 0
+        return lost
+
+    def _settle_commit(self) -> bool:
+        """Wait for the commits in flight; False if a worker died or broke applying them
+        (the failure is then booked: the job recovers before the next step)."""
+        pending = self._pending_commit
+        lost = self._wait_commit()
+        if lost and pending is not None:
+            self._fail(self.step, StepOutcome(lost=lost), pending.struck_at, pending.faults)
+        return not lost
 
     def _restock_spares(self) -> None:
         """Start the spares a recovery took, now that training is back.

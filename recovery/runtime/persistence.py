@@ -237,13 +237,33 @@ class Persistence:
 
     # -- after each commit ---------------------------------------------------------------
 
+    def due(self, step: int) -> bool:
+        """Whether `after_commit` has anything to take once ``step`` steps are committed."""
+        return self._checkpoint_due(step) or self._peer_due(step) or self._durable_due(step)
+
+    def _checkpoint_due(self, step: int) -> bool:
+        return (
+            self.policy.strategy == Mode.RESTART
+            and step % self.policy.baseline.checkpoint_every == 0
+        )
+
+    def _peer_due(self, step: int) -> bool:
+        every = self.policy.snapshots.peer_every
+        return bool(every and self.topology.world_size > 1 and step % every == 0)
+
+    def _durable_due(self, step: int) -> bool:
+        every = self.policy.snapshots.durable_every
+        return bool(
+            every
+            and self.durable is not None
+            and step % every == 0
+            and step not in self.ledger.durable_steps
+        )
+
     def after_commit(self, step: int) -> None:
         """Take the checkpoint and snapshots due now that ``step`` steps are committed."""
         hang = self.policy.timeouts.hang
-        if (
-            self.policy.strategy == Mode.RESTART
-            and step % self.policy.baseline.checkpoint_every == 0
-        ):
+        if self._checkpoint_due(step):
             start = time.perf_counter()
             self._all(
                 "save_checkpoint",
@@ -254,19 +274,12 @@ class Persistence:
             )
             self.ledger.checkpoint_steps.append(step)
             self._timed("checkpoint_write", start)
-        every = self.policy.snapshots.peer_every
-        if every and self.topology.world_size > 1 and step % every == 0:
+        if self._peer_due(step):
             start = time.perf_counter()
             digests = bool(self.policy.fingerprint_every)  # see [Note: checked transfers]
             self._all("take_snapshot", "take peer snapshots", step, digests, timeout=hang)
             self._timed("snapshot_write", start)
-        every = self.policy.snapshots.durable_every
-        if (
-            every
-            and self.durable is not None
-            and step % every == 0
-            and step not in self.ledger.durable_steps
-        ):
+        if self._durable_due(step):
             start = time.perf_counter()
             self._all(
                 "durable_write", "start durable snapshots", self.snapshot_dir, step, timeout=hang
