@@ -9,6 +9,7 @@ can be exact.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -36,7 +37,9 @@ def plant_resets(monkeypatch: pytest.MonkeyPatch, times: int | None) -> list[flo
     def run_step(self: StageWorker, step: int, *args, **kwargs):  # type: ignore[no-untyped-def]
         if self.rank == FLAKY and step == AT_STEP and (times is None or len(raised) < times):
             raised.append(time.monotonic())
-            raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection reset by peer")
+            raise RuntimeError(
+                "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection reset by peer"
+            )
         return real(self, step, *args, **kwargs)
 
     monkeypatch.setattr(StageWorker, "run_step", run_step)
@@ -57,7 +60,7 @@ def test_a_persistent_comm_error_gives_up_naming_the_worker_and_the_error(
     assert f"worker {TOP.worker(FLAKY)} (rank {FLAKY})" in text
     assert "Connection reset by peer" in text and "comm_retries=2" in text
     assert len(raised) == 3  # the first try and two retries, then no more
-    gaps = [b - a for a, b in zip(raised, raised[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(raised)]
     assert gaps[0] >= 0.05 and gaps[1] >= 0.1  # the wait doubles
 
 

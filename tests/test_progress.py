@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 from parallelism import Topology
+from parallelism.engine import StageEngine
 from parallelism.progress import EventProgress, Progress, progress_for
 from parallelism.schedule import build_schedule
-from parallelism.engine import StageEngine
 from tests.workloads import mlp_spec
 
 HANG_S = 10.0
