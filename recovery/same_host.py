@@ -153,7 +153,7 @@ def read_offer(
         t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
         for t in targets
     ]
-    batches = _batches(regions, staged)
+    batches = _batches(regions)
 
     def finish(batch: list[int]) -> None:
         for i in batch:
@@ -199,7 +199,7 @@ def read_offer(
     return True
 
 
-def _batches(regions: Sequence[tuple[int, int]], staged: Sequence[torch.Tensor]) -> list[list[int]]:
+def _batches(regions: Sequence[tuple[int, int]]) -> list[list[int]]:
     """Targets grouped into reads of at least `BATCH_BYTES` (small tensors together), at
     most ``_IOV_MAX`` regions each."""
     batches: list[list[int]] = [[]]

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from recovery.worker.memory import keep_freed_memory
+from recovery.worker import memory
 
 _PROBE = """
 import resource, sys, torch
@@ -39,7 +39,7 @@ def _faults(mode: str) -> tuple[int, int]:
     return int(faults), int(pages)
 
 
-pytestmark = pytest.mark.skipif(not keep_freed_memory(), reason="not glibc's malloc")
+pytestmark = pytest.mark.skipif(memory._libc() is None, reason="not glibc's malloc")
 
 
 def test_a_state_freed_and_allocated_again_faults_in_few_fresh_pages() -> None:

@@ -168,7 +168,6 @@ class _Recovery:
 class _PendingCommit:
     """A step whose commit was sent and not yet waited for (see [Note: pipelined commit])."""
 
-    step: int
     calls: dict[int, Call]
     struck_at: float
     faults: Armed
@@ -237,9 +236,9 @@ class Controller:
         communication errors with nobody lost])."""
         self._pending_event: PendingEvent | None = None
         self._restock = False
-        self._pending_commit: _PendingCommit | None = None
         """Spares were taken by a recovery: start new ones once training is back (see
         [Note: restocking spares after the first step])."""
+        self._pending_commit: _PendingCommit | None = None
         self.tokens_per_step = 0
         self.layout: StateLayout
         self.members: Membership
@@ -429,7 +428,7 @@ class Controller:
         )
         self.ledger.note_norms(record.grad_norms)
         self.step = step + 1
-        self._pending_commit = _PendingCommit(step, commits, struck_at, faults)
+        self._pending_commit = _PendingCommit(commits, struck_at, faults)
         if self._may_pipeline():  # the next step's calls go out before this one's are back
             self.records.append(record)
             self.on_step(record)
@@ -464,11 +463,13 @@ class Controller:
         thread; one executor per thread worker), so ``commit(k)`` is applied before
         ``run_step(k + 1)`` starts wherever both were sent. The controller therefore sends
         the next step's calls right after the commits and waits for both together: one
-        round trip to every worker per step instead of two (~2 ms each on the 2-core
-        machine, 7% of a 10 MB step). The step is committed when every report said ready,
-        as before; a worker that dies or breaks while applying it is found when the commits
-        are waited for and fails the next step, which is abandoned everywhere and run
-        again after the recovery -- what a death in the commit did before, one step later.
+        round trip to every worker per step instead of two (on the 2-core machine, 10 MB
+        job, the gap between a commit's end and the next step's start on a worker fell
+        from ~2.2 ms to ~1 ms, Ray's own cost of a call). The step is committed when every
+        report said ready, as before; a worker that dies or breaks while applying it is
+        found when the commits are waited for and fails the next step, which is abandoned
+        everywhere and run again after the recovery -- what a death in the commit did
+        before, one step later.
         Only when nothing else needs the update applied first: no snapshot or checkpoint
         or evaluation due, not the last step, no recovery event waiting for its first
         commit (its time runs to the commit applied), not a shrunk job (it may grow at
@@ -489,7 +490,6 @@ class Controller:
         (their step stays committed for everyone else)."""
         pending, self._pending_commit = self._pending_commit, None
         if pending is None:
-            assert self.group is not None
             return {}
         assert self.group is not None
         commits = self.group.gather(pending.calls, self.policy.timeouts.hang)
