@@ -33,7 +33,7 @@ import math
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -831,6 +831,20 @@ class StageComm:
     def barrier(self) -> None:
         """Block until every worker of the generation reaches this point."""
         self.wait(self.world.allreduce([torch.zeros(1, device=self.wire)]))
+
+    def exchange(self, row: Sequence[float]) -> dict[int, tuple[float, ...]]:
+        """Every worker's ``row`` (all of one length), by global rank; blocks (an all-gather
+        of float64 over the world group).
+
+        Raises:
+            RuntimeError: if the groups were closed, or a peer died.
+        """
+        if self.closed:
+            raise RuntimeError("process group used after close()")
+        mine = torch.tensor(list(row), dtype=torch.float64, device=self.wire)
+        rows = [torch.empty_like(mine) for _ in self._index]
+        self.wait(self.world.allgather([rows], [mine]))
+        return {r: tuple(rows[i].tolist()) for r, i in self._index.items()}
 
     # -- lifecycle -------------------------------------------------------------------------
 

@@ -161,11 +161,19 @@ class TableWorker(StageWorker):
     # -- the two phases ------------------------------------------------------------------
 
     def run_step(
-        self, step: int, faults: tuple[Fault, ...] = (), fingerprint: bool = False
+        self,
+        step: int,
+        faults: tuple[Fault, ...] = (),
+        fingerprint: bool = False,
+        decide: bool = False,
     ) -> StepReport:
         """Phase one: lookups, forward, backward, row-gradient exchange, dense all-reduce,
-        and the mirror updates this step will imply. Applies nothing. (No fingerprint:
-        the replicas of a table stage hold different shards, so there is nothing to vote on.)"""
+        and the mirror updates this step will imply. Applies nothing unless ``decide``
+        (see [Note: workers decide the commit] in recovery/worker/stage.py). (No
+        fingerprint: the replicas of a table stage hold different shards, so there is
+        nothing to vote on.)"""
+        if decide and step > self.step:
+            return self._skipped(step)
         self._begin_step(step, faults)
         assert self.spec is not None
         batch = cast(ClickBatch, self.spec.batches(step, self.replica, self.topology.replicas))
@@ -189,7 +197,8 @@ class TableWorker(StageWorker):
             compute_s=elapsed,
             schedule_s=elapsed,
         )
-        return self._report(step, stats)
+        report = self._report(step, stats)
+        return self._decided(step, report) if decide else report
 
     def _apply(self, step: int) -> None:
         """The commit's work: apply the step to the shard and the dense replica, and the

@@ -27,7 +27,7 @@ from recovery.runtime.elastic import complete_replicas, shares, shrinkable
 from tests.jobs import drive, make
 from tests.workloads import mlp_spec
 
-STEPS = 10
+STEPS = 16
 
 
 # -- pure ----------------------------------------------------------------------------------
@@ -116,17 +116,24 @@ def oracles() -> dict[int, tuple[list[float], dict]]:  # type: ignore[type-arg]
 
 
 def _node_loss_and_return(
-    controller: Controller, group: ThreadWorkerGroup, *, lose_at: int, add_at: int
+    controller: Controller, group: ThreadWorkerGroup, *, lose_at: int, shrunk_for: int
 ) -> list[Phase]:
-    """Drive the job; lose node-0 when ``lose_at`` steps are committed and add a node when
-    ``add_at`` are."""
+    """Drive the job; lose node-0 once ``lose_at`` steps are committed, and add a node once
+    the job trained ``shrunk_for`` steps after its first shrink. (The workers may commit
+    several steps in one call, `_batch`, so the loss is found at a step ``>= lose_at`` --
+    up to a batch later: the tests lose the node early, while batches are one step.)"""
     phases = []
     try:
         while controller.phase not in (Phase.FINISHED, Phase.FAILED):
             if controller.phase is Phase.RUNNING:
-                if controller.step == lose_at and "node-0" in group.nodes():
+                if controller.step >= lose_at and "node-0" in group.nodes():
                     group.remove_node("node-0")
-                if controller.step == add_at and "node-new" not in group.nodes():
+                shrunk = [e.step for e in controller.events if "shrink" in e.strategy]
+                if (
+                    shrunk
+                    and controller.step >= shrunk[0] + shrunk_for
+                    and "node-new" not in group.nodes()
+                ):
                     group.add_node("node-new")
             phases.append(controller.advance())
         controller.final_states = controller.states() if controller.phase is Phase.FINISHED else {}  # type: ignore[attr-defined]
@@ -142,12 +149,14 @@ def test_a_node_loss_with_no_room_shrinks_trains_on_and_grows_back_bit_for_bit(o
     worker are those of the run that never failed."""
     losses, states = oracles[2]
     controller, group = _job(Topology(2, 2), policy=RecoveryPolicy(elastic=True), slots=2)
-    _node_loss_and_return(controller, group, lose_at=3, add_at=7)
+    _node_loss_and_return(controller, group, lose_at=1, shrunk_for=4)
     assert controller.phase is Phase.FINISHED, controller.error
     shrink, grow = controller.events
-    assert (shrink.strategy, shrink.step, shrink.lost) == ("shrink", 3, [(0, 0), (1, 0)])
+    assert (shrink.strategy, shrink.lost) == ("shrink", [(0, 0), (1, 0)])
+    assert shrink.step >= 1
     assert (grow.strategy, grow.cause) == ("grow", "grow")
-    assert grow.step >= 7 and grow.lost == [(0, 0), (1, 0)]
+    assert grow.step >= shrink.step + 4
+    assert grow.lost == [(0, 0), (1, 0)]
     assert {a["sources"][0] for a in grow.actions} == {(0, 1), (1, 1)}
     shrunk = [r for r in controller.records if shrink.step <= r.step < grow.step]
     assert len(shrunk) >= 4  # it really trained shrunk
@@ -188,7 +197,7 @@ def test_three_replicas_shrunk_stay_within_rounding_and_equal_to_each_other(orac
     bit-identical to each other."""
     losses, _ = oracles[3]
     controller, group = _job(Topology(2, 3), policy=RecoveryPolicy(elastic=True), slots=2)
-    _node_loss_and_return(controller, group, lose_at=3, add_at=7)
+    _node_loss_and_return(controller, group, lose_at=1, shrunk_for=4)
     assert [e.strategy for e in controller.events] == ["shrink", "grow"]
     got = [r.loss for r in controller.records]
     assert len(got) == len(losses)
@@ -212,7 +221,7 @@ def test_a_second_loss_while_shrunk_shrinks_further_and_ends_exact(oracles) -> N
         policy=RecoveryPolicy(elastic=True),
         slots=2,
     )
-    _node_loss_and_return(controller, group, lose_at=3, add_at=8)
+    _node_loss_and_return(controller, group, lose_at=1, shrunk_for=5)
     assert controller.phase is Phase.FINISHED, controller.error
     strategies = [e.strategy for e in controller.events]
     assert strategies[:2] == ["shrink", "shrink"] and strategies[-1] == "grow", strategies
@@ -224,7 +233,7 @@ def test_a_second_loss_while_shrunk_shrinks_further_and_ends_exact(oracles) -> N
 
 def test_without_elastic_no_room_is_a_placement_failure_naming_the_workers() -> None:
     controller, group = _job(Topology(2, 2), slots=2)
-    _node_loss_and_return(controller, group, lose_at=3, add_at=99)
+    _node_loss_and_return(controller, group, lose_at=1, shrunk_for=99)
     assert controller.phase is Phase.FAILED
     error = controller.error
     assert isinstance(error, PlacementFailed), error

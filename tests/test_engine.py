@@ -46,7 +46,8 @@ def _train(spec: object, top: Topology, steps: int) -> Controller:
     """A job trained ``steps`` steps without a failure: its losses in ``records``, its final
     states in ``final_states``."""
     controller, _ = make(spec, top, policy=NO_SNAPSHOTS, steps=steps)  # type: ignore[arg-type]
-    assert drive(controller) == [Phase.RUNNING] * steps + [Phase.FINISHED]
+    phases = drive(controller)  # several steps to a transition (see [Note: batched steps])
+    assert set(phases[:-1]) == {Phase.RUNNING} and phases[-1] is Phase.FINISHED
     assert not controller.events
     assert [r.step for r in controller.records] == list(range(steps))
     return controller
@@ -99,6 +100,9 @@ def test_reformed_generation_continues_identically() -> None:
     top = Topology(2, 2)
     a = _train(spec, top, 4)
     b, _ = make(spec, top, policy=NO_SNAPSHOTS, steps=4)
+    # One step a call and nothing sent ahead, so that no call is in flight at a re-forming:
+    # one would fail (a worker that finished a collective leaves while a peer is in it).
+    b._may_pipeline = lambda nxt: False  # type: ignore[method-assign]
     try:
         for step in range(4):
             assert b.advance() is Phase.RUNNING and b.step == step + 1

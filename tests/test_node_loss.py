@@ -24,7 +24,9 @@ def test_losing_a_node_keeps_training_exact(cluster) -> None:  # type: ignore[no
     """With train.py's default of one hot spare: the spare is never used to put two
     replicas of a stage on one node, and a spare lost with its node is not waited for."""
     c, worker_nodes = cluster
-    spec, top, steps = mlp_spec(), Topology(2, 3), 6
+    # Steps enough that the node's loss lands while the job trains: the workers commit
+    # several steps a call once steps are fast, so 6 could be done before the node is gone.
+    spec, top, steps = mlp_spec(), Topology(2, 3), 40
     oracle = Trainer(spec, topology=top).fit(steps)
 
     policy = RecoveryPolicy(hot_spares=1)

@@ -89,7 +89,7 @@ from recovery.runtime.records import (
 )
 from recovery.spec import TrainSpec
 from recovery.vote import Verdict, can_vote, corruption_plan, vote
-from recovery.worker import WorkerInfo
+from recovery.worker import StepReport, WorkerInfo
 
 __all__ = ["MAX_INTERRUPTIONS", "Controller", "ControllerConfig", "Phase"]
 
@@ -102,6 +102,10 @@ MAX_INTERRUPTIONS = 8
 COMM_BACKOFF_S = 0.25
 """The wait before the first retry of a step that failed with nobody lost; it doubles."""
 MAX_COMM_BACKOFF_S = 8.0
+BATCH_STEPS = 16
+"""The most steps the workers run in one call (see [Note: batched steps])."""
+BATCH_S = 0.25
+"""About how long a call of several steps lasts at most (see [Note: batched steps])."""
 
 
 class Phase(enum.Enum):
@@ -239,6 +243,10 @@ class Controller:
         """Spares were taken by a recovery: start new ones once training is back (see
         [Note: restocking spares after the first step])."""
         self._pending_commit: _PendingCommit | None = None
+        self._ahead: tuple[int, int] | None = None
+        """Steps sent before the ones running were settled: the first and how many (see
+        [Note: pipelined commit]); their calls are ``_ahead_calls``."""
+        self._ahead_calls: dict[int, Call] = {}
         self.tokens_per_step = 0
         self.layout: StateLayout
         self.members: Membership
@@ -387,17 +395,38 @@ class Controller:
         step = self.step
         start = time.perf_counter()
         struck_at = time.time()
-        faults = self.faults.arm(step, self.members)
         check = self._check_due(step)
-        calls = {
-            r: self.group.submit(r, "run_step", step, faults.get(r, ()), check)
-            for r in self.members.present()
-        }
+        decide = self._decides(step, check)
+        ahead, faults = self._take_ahead(step), {}
+        if ahead is not None:
+            calls, count = ahead
+        else:
+            faults = self.faults.arm(step, self.members)
+            count = self._batch(step) if decide else 1
+            calls = self._submit(step, count, faults, check, decide)
         broke = self._wait_commit()  # the last step's, if it was pipelined
+        nxt = step + count
         if broke:  # died applying it: this step cannot complete, and is run again
             abort_pending(self.group)(list(calls.values()))
+        elif decide and self._may_pipeline(nxt) and self._decides(nxt, self._check_due(nxt)):
+            # the next steps wait in the workers' queues behind these
+            # (see [Note: workers decide the commit] in recovery/worker/stage.py)
+            self._ahead = (nxt, self._batch(nxt))
+            self._ahead_calls = self._submit(nxt, self._ahead[1], {}, False, True)
         outcome = await_step(self.group, calls, self.policy.timeouts.hang)
         outcome.lost.update(broke)
+        if decide:
+            # Steps sent ahead began when the last one ended, not when this call began.
+            began = start - self.started_at
+            if ahead is not None and self.records:
+                began = min(began, self.records[-1].time)
+            left = self._decided(step, outcome, began, struck_at, faults)
+            if left is None:  # all committed, or a failure booked
+                return
+            if self.step > step:  # some committed (their faults spent); the rest is left
+                step, faults = self.step, {}
+            outcome = left
+        self._drop_ahead(outcome)
         if not outcome.ok:
             self._fail(step, outcome, struck_at, faults)
             return
@@ -417,32 +446,88 @@ class Controller:
                 return
             self.verified = step
         commits = {r: self.group.submit(r, "commit", step) for r in self.group.ranks()}
-        record = step_record(
-            self.topology,
-            step,
-            outcome.reports,
-            elapsed=time.perf_counter() - start,
-            since_start=time.perf_counter() - self.started_at,
-            tokens_per_step=self.tokens_per_step,
-            generation=self.generation,
-        )
-        self.ledger.note_norms(record.grad_norms)
+        record = self._record(step, outcome.reports, start)
         self.step = step + 1
         self._pending_commit = _PendingCommit(commits, struck_at, faults)
-        if self._may_pipeline():  # the next step's calls go out before this one's are back
-            self.records.append(record)
-            self.on_step(record)
+        if self._may_pipeline(self.step):  # the next step's calls go out before this one's are back
+            self._book(record)
             return
         if not self._settle_commit():  # died while applying: committed for everyone else
-            self.records.append(record)
-            self.on_step(record)
+            self._book(record)
             return
+        self._after_commit(record, struck_at)
+
+    def _decided(
+        self, step: int, outcome: StepOutcome, began: float, struck_at: float, faults: Armed
+    ) -> StepOutcome | None:
+        """Book the steps from ``step`` on that the workers committed themselves (any one
+        worker's commit of a step means all were ready), rolling forward the survivors
+        whose vote on the last failed; recover if anyone was lost or broke meanwhile. See
+        [Note: workers decide the commit] in recovery/worker/stage.py.
+
+        Returns what is left to settle the two-phase way -- the step after the committed
+        ones, that every worker ran and found not ready (a non-finite loss) -- or None.
+        """
+        assert self.group is not None
+        chains = {r: [*rep.batch, rep] for r, rep in outcome.reports.items()}
+        done = [rep for chain in chains.values() for rep in chain if rep.committed]
+        if not done:
+            return outcome
+        self.faults.spend(faults)
+        self._comm_errors = 0
+        last = max(rep.step for rep in done)
+        lost = dict(outcome.lost)
+        held = sorted(r for r, rep in outcome.reports.items() if rep.held and rep.step == last)
+        if held:
+            rolled = self.group.gather(
+                {r: self.group.submit(r, "commit", last) for r in held}, self.policy.timeouts.hang
+            )
+            lost.update(rolled.as_lost())
+        records = []
+        since = began  # each step is timed from the one before, by when the workers applied it
+        for s in range(step, last + 1):
+            reports = {
+                r: rep
+                for r, chain in chains.items()
+                for rep in chain
+                if rep.step == s and (rep.committed or rep.held)
+            }
+            self.persistence.note(reports)
+            finished = max((rep.finished_at for rep in reports.values()), default=0.0)
+            at = max(finished - self.started_wall, since)
+            records.append(self._record(s, reports, elapsed=at - since, since_start=at))
+            since = at
+        self.step = last + 1
+        failed = {r: rep for r, rep in outcome.reports.items() if not rep.ok}  # held ones too
+        if lost or failed or outcome.hung:
+            after = self._drop_ahead(StepOutcome(reports=failed, lost=lost))
+            for record in records:
+                self._book(record)
+            lost.update(after.lost)
+            failed.update({r: rep for r, rep in after.reports.items() if not rep.ok})
+            broken = StepOutcome(reports=failed, lost=lost, hung=outcome.hung | after.hung)
+            if not broken.ok:
+                self._fail(self.step, broken, struck_at, {})
+                return None
+        for record in records[:-1]:
+            self._book(record)
+        if any(not rep.committed for rep in outcome.reports.values()):
+            self._book(records[-1])
+            return outcome  # ran and found not ready everywhere: the numerical path
+        if self._ahead is not None:
+            self._book(records[-1])
+            return None
+        self._after_commit(records[-1], struck_at)
+        return None
+
+    def _after_commit(self, record: StepRecord, struck_at: float) -> None:
+        """What follows a commit that nothing was sent after: snapshots, evaluation, the
+        recovery event's close, new spares."""
         try:
             if not self.members.missing:  # a shrunk job takes no snapshots (elastic.py)
                 self.persistence.after_commit(self.step)
         except RecoveryInterrupted as exc:  # lost while snapshotting: the step is committed
-            self.records.append(record)
-            self.on_step(record)
+            self._book(record)
             lost = {rank: WorkerLost(rank, str(exc)) for rank in exc.lost or exc.broken}
             self._fail(self.step, StepOutcome(lost=lost), struck_at, {})
             return
@@ -450,13 +535,113 @@ class Controller:
             self.step % self.config.eval_every == 0 or self.step == self.target_steps
         ):
             record.val_loss = self.evaluate()
-        self.records.append(record)
-        self.on_step(record)
+        self._book(record)
         self._finish_event()
         self._restock_spares()
 
-    def _may_pipeline(self) -> bool:
-        """Whether the commit just sent may be waited for with the next step's reports.
+    def _record(
+        self,
+        step: int,
+        reports: dict[int, StepReport],
+        start: float | None = None,
+        *,
+        elapsed: float | None = None,
+        since_start: float | None = None,
+    ) -> StepRecord:
+        """The record of ``step``, timed from ``start`` (``perf_counter``) to now, or as
+        given (the steps of a batch, timed by when the workers applied them)."""
+        now = time.perf_counter()
+        return step_record(
+            self.topology,
+            step,
+            reports,
+            elapsed=elapsed if elapsed is not None else now - (start or now),
+            since_start=since_start if since_start is not None else now - self.started_at,
+            tokens_per_step=self.tokens_per_step,
+            generation=self.generation,
+        )
+
+    def _book(self, record: StepRecord) -> None:
+        self.ledger.note_norms(record.grad_norms)
+        self.records.append(record)
+        self.on_step(record)
+
+    def _decides(self, step: int, check: bool) -> bool:
+        """Whether the workers decide ``step``'s commit themselves (see [Note: workers
+        decide the commit] in recovery/worker/stage.py): not when the controller must
+        look first (a fingerprint vote), nor in a shrunk job."""
+        return not check and not self.members.missing
+
+    def _submit(
+        self, step: int, count: int, faults: Armed, check: bool, decide: bool
+    ) -> dict[int, Call]:
+        """Send ``step`` to every worker -- with ``decide``, it and the ``count - 1`` after
+        it, in one call (`StageWorker.run_steps`)."""
+        assert self.group is not None
+        if decide:
+            return {
+                r: self.group.submit(r, "run_steps", step, count, faults.get(r, ()))
+                for r in self.members.present()
+            }
+        return {
+            r: self.group.submit(r, "run_step", step, faults.get(r, ()), check, False)
+            for r in self.members.present()
+        }
+
+    def _batch(self, step: int) -> int:
+        """How many steps from ``step`` the workers run in one call: while nothing needs
+        the controller between two of them, up to `BATCH_STEPS` and about `BATCH_S` of
+        training (by the last step's time; one until a step was timed).
+
+        [Note: batched steps]
+        Even with the workers deciding the commit, one call per step costs the controller
+        a Ray call and a result per worker and a step's bookkeeping -- ~3 ms of CPU per
+        step on the 2-core machine, where it competes with the workers for the cores --
+        and each worker ~1 ms between two calls. So steps that need nothing from the
+        controller go out several to a call; the workers run them back to back, deciding
+        each commit among themselves, and report them together. The controller books
+        them when the call returns, each timed by when the workers applied it, so the
+        progress shown lags by at most one batch (`BATCH_S`). A failure inside a batch is
+        what it would be in a step of its own: the steps before it are committed and
+        booked, the rest are not run.
+        """
+        last = self.records[-1].step_s if self.records else 0.0
+        if last <= 0:
+            return 1
+        most = max(1, min(BATCH_STEPS, int(BATCH_S / last)))
+        n = 1
+        while (
+            n < most
+            and self._may_pipeline(step + n)
+            and self._decides(step + n, self._check_due(step + n))
+        ):
+            n += 1
+        return n
+
+    def _take_ahead(self, step: int) -> tuple[dict[int, Call], int] | None:
+        """The calls of the steps from ``step`` if they were sent ahead, and how many."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        assert ahead[0] == step, (ahead[0], step)
+        return self._ahead_calls, ahead[1]
+
+    def _drop_ahead(self, outcome: StepOutcome) -> StepOutcome:
+        """The steps sent ahead are void (the one before failed or is not committed
+        everywhere): abort them and wait for their calls (a worker that did not commit the
+        steps before skips them). Returns their outcome."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return StepOutcome()
+        assert self.group is not None
+        if not outcome.ok:
+            abort_pending(self.group)(list(self._ahead_calls.values()))
+        return await_step(self.group, self._ahead_calls, self.policy.timeouts.hang)
+
+    def _may_pipeline(self, nxt: int) -> bool:
+        """Whether step ``nxt``'s calls may go out before the step before it is settled:
+        after its commit call (the commit is then waited for with ``nxt``'s reports), or,
+        when the workers decide, behind its run.
 
         [Note: pipelined commit]
         A worker runs its calls in the order the controller sent them (one Ray actor
@@ -469,13 +654,13 @@ class Controller:
         report said ready, as before; a worker that dies or breaks while applying it is
         found when the commits are waited for and fails the next step, which is abandoned
         everywhere and run again after the recovery -- what a death in the commit did
-        before, one step later.
+        before, one step later. When the workers decide the commit, ``run_step(k + 1)``
+        goes out with ``run_step(k)``: a worker that did not commit ``k`` skips it.
         Only when nothing else needs the update applied first: no snapshot or checkpoint
         or evaluation due, not the last step, no recovery event waiting for its first
         commit (its time runs to the commit applied), not a shrunk job (it may grow at
-        the boundary).
+        the boundary), and no injected fault due at ``nxt`` (it is armed when sent).
         """
-        nxt = self.step
         return (
             nxt < self.target_steps
             and self._pending_event is None
@@ -483,6 +668,7 @@ class Controller:
             and not self.members.missing
             and not self.persistence.due(nxt)
             and not (self.config.eval_every and nxt % self.config.eval_every == 0)
+            and not self.faults.due(nxt)
         )
 
     def _wait_commit(self) -> dict[int, WorkerLost]:

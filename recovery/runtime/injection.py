@@ -41,6 +41,10 @@ class InjectedFaults:
             if isinstance(fault, KillNode) and fault.node >= nodes:
                 raise ValueError(f"{fault}: the job runs on {nodes} node(s)")
 
+    def due(self, step: int) -> bool:
+        """Whether a fault not yet spent strikes at ``step``."""
+        return any(f.step == step and f not in self._fired for f in self.schedule)
+
     def arm(self, step: int, membership: Membership) -> Armed:
         """The faults that strike at ``step``, per rank (a node's loss is booked now)."""
         out: dict[int, list[Fault]] = {}

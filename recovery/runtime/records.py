@@ -48,14 +48,25 @@ def step_record(
     tokens_per_step: int,
     generation: int,
 ) -> StepRecord:
-    """The record of a committed step, from every worker's report."""
-    loss_sum = sum(r.stats.loss_sum for r in reports.values())
-    count = sum(r.stats.losses for r in reports.values())
-    # Any replica's norm (they are equal); the first present one (a shrink may lack some).
-    norms = [
-        next(reports[r] for r in topology.stage_group(s) if r in reports).stats.clipped_grad_norm
-        for s in range(topology.stages)
-    ]
+    """The record of a committed step, from every worker's report (the loss and the
+    gradient norms: from the workers' vote, if they decided the step -- it has those of a
+    worker that died applying it)."""
+    votes = next((r.votes for r in reports.values() if r.votes), None)
+    if votes is not None:
+        ranks = sorted(votes)
+        loss_sum = sum(votes[rank][0] for rank in ranks)
+        count = sum(votes[rank][1] for rank in ranks)
+        norms = [votes[topology.stage_group(s)[0]][2] for s in range(topology.stages)]
+    else:
+        loss_sum = sum(r.stats.loss_sum for r in reports.values())
+        count = sum(r.stats.losses for r in reports.values())
+        # Any replica's norm (they are equal); the first present one (a shrink may lack some).
+        norms = [
+            next(
+                reports[r] for r in topology.stage_group(s) if r in reports
+            ).stats.clipped_grad_norm
+            for s in range(topology.stages)
+        ]
     busy = sum(r.stats.compute_s for r in reports.values())
     span = sum(r.stats.schedule_s for r in reports.values())
     return StepRecord(

@@ -53,6 +53,23 @@ class StepReport:
     """Durable snapshot steps whose write finished since the last report."""
     fingerprint: dict[str, str] | None = None
     """The state's fingerprint (`recovery.fingerprint`), on the steps the policy checks."""
+    committed: bool = False
+    """The workers decided the step and this one applied it (see [Note: workers decide the
+    commit] in recovery/worker/stage.py)."""
+    votes: dict[int, tuple[float, int, float]] = field(default_factory=dict)
+    """Of a committed step: every worker's ``(loss_sum, losses, clipped gradient norm)``
+    from the vote, by rank."""
+    finished_at: float = 0.0
+    """Of a committed step: when this worker had applied it (``time.time()``)."""
+    batch: list[StepReport] = field(default_factory=list)
+    """`StageWorker.run_steps`: the reports of the steps committed before this one in the
+    same call."""
+    held: bool = False
+    """A failed report whose worker still holds the step's reduced gradients: the vote on
+    it failed here and may have completed elsewhere, so the step may be committed yet."""
+    skipped: bool = False
+    """A failed report of a step sent ahead that the worker did not run (the step before
+    was not committed here)."""
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,37 @@ everywhere (gradients are dropped), and after recovery the same step is run agai
 same data -- ``batches`` is a pure function of the step -- so no committed step is lost and
 none is applied twice. A worker's step counter is the number of steps it has committed; it
 is also its data cursor.
+
+[Note: workers decide the commit]
+Waiting for the controller's ``commit`` puts a round trip through it into every step,
+while DDP goes straight from its all-reduce to its optimizer. So on most steps
+(``decide``) the workers take the decision themselves, exactly as the controller would:
+after the gradient all-reduce each worker says whether its step is ready (finite loss
+and gradient norm, what `recovery.runtime.detection.non_finite` checks), and one
+all-gather over the whole generation (`StageComm.exchange`: the flag, the loss and the
+gradient norm of every worker) tells everyone whether all are. If so each applies the
+step at once and reports it committed, with everyone's loss and norm -- so the step's
+record is whole even if a worker dies applying it -- and the controller only books it.
+If not, nobody applies anything, and the controller handles the reports as it handles a
+two-phase step's. Steps that need the controller first keep the two phases: a
+fingerprint vote's, a shrunk job's. With the decision on the workers, the controller can
+send the next steps before a step is back, and several in one call (`run_steps`; see
+[Note: batched steps] in recovery/runtime/controller.py); a worker skips a step sent
+ahead of one it did not commit.
+
+The vote can complete on some workers and fail on others (a peer dies after its flag was
+passed on): those that saw "all ready" applied the step, the others hold their reduced
+gradients and report it (``held``) -- and since a complete vote needed every flag,
+"all ready" was true. The controller then rolls the holders forward (``commit``) before
+anyone leaves, so every survivor has the step; a vote that completed nowhere leaves the
+step uncommitted everywhere, as a failure before a two-phase commit does. No survivor
+can be further apart: committing the next step needs the holder's vote on it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import threading
@@ -66,20 +92,29 @@ class StageWorker(Snapshotting, StateTransfer):
     # -- the two phases ------------------------------------------------------------------
 
     def run_step(
-        self, step: int, faults: tuple[Fault, ...] = (), fingerprint: bool = False
+        self,
+        step: int,
+        faults: tuple[Fault, ...] = (),
+        fingerprint: bool = False,
+        decide: bool = False,
     ) -> StepReport:
-        """Phase one: forward, backward and gradient all-reduce of ``step``; apply nothing.
+        """Phase one: forward, backward and gradient all-reduce of ``step``; apply nothing
+        -- or, with ``decide``, apply it if every worker is ready (see [Note: workers decide
+        the commit]).
 
         ``faults`` are injected failures to fire at their points of this step or its commit.
         With ``fingerprint``, the report carries the fingerprint of the state this step
         starts from, taken after the all-reduce (see [Note: fingerprint vote] in
         recovery/vote.py). Returns a failed report (and tears down this generation) on a
-        communication error.
+        communication error, and a ``skipped`` one for a step sent ahead whose predecessor
+        this worker did not commit.
 
         Raises:
             RuntimeError: if ``step`` is not this worker's next step.
             Exception: whatever user code raised (model, loss, data), after tearing down.
         """
+        if decide and step > self.step:
+            return self._skipped(step)
         self._begin_step(step, faults)
         assert self.spec is not None
         try:
@@ -100,7 +135,21 @@ class StageWorker(Snapshotting, StateTransfer):
         report = self._report(step, stats)
         if fingerprint:
             report.fingerprint = self.fingerprint()
-        return report
+        return self._decided(step, report) if decide else report
+
+    def run_steps(self, step: int, count: int, faults: tuple[Fault, ...] = ()) -> StepReport:
+        """Steps ``step`` to ``step + count - 1``, each decided by the workers (see [Note:
+        workers decide the commit]), stopping at the first one not committed here.
+        ``faults`` strike in the first. Returns the last step's report, which carries the
+        committed ones before it (``batch``)."""
+        done: list[StepReport] = []
+        for s in range(step, step + count):
+            report = self.run_step(s, faults if s == step else (), decide=True)
+            if not report.committed or s == step + count - 1:
+                report.batch = done
+                return report
+            done.append(report)
+        raise ValueError(f"count must be positive, got {count}")
 
     def fingerprint(self) -> dict[str, str]:
         """The fingerprint of this worker's parameters and optimizer state (parameters only
@@ -122,6 +171,43 @@ class StageWorker(Snapshotting, StateTransfer):
         self._hook(KillPoint.AFTER_COMMIT.value)
         self._faults = []
         return self.step
+
+    def _decided(self, step: int, report: StepReport) -> StepReport:
+        """Vote on ``step`` with every worker and apply it if all are ready; see [Note:
+        workers decide the commit]."""
+        assert self.comm is not None
+        stats = report.stats
+        ready = math.isfinite(stats.grad_norm) and (
+            not stats.losses or math.isfinite(stats.loss_sum)
+        )
+        try:
+            rows = self.comm.exchange(
+                [float(ready), stats.loss_sum, float(stats.losses), stats.clipped_grad_norm]
+            )
+        except Exception as exc:
+            if not is_comm_error(exc):
+                raise
+            # The vote may have completed elsewhere: keep the gradients for the
+            # controller to roll this worker forward (commit) or drop them.
+            self.leave()
+            report.ok, report.held = False, True
+            report.error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            return report
+        if all(row[0] == 1.0 for row in rows.values()):
+            report.votes = {rank: (row[1], int(row[2]), row[3]) for rank, row in rows.items()}
+            self.commit(step)
+            report.committed, report.finished_at = True, time.time()
+        return report
+
+    def _skipped(self, step: int) -> StepReport:
+        """The report of a step sent ahead of one this worker did not commit."""
+        return StepReport(
+            rank=self.rank,
+            step=step,
+            ok=False,
+            error=f"step {step} skipped: this worker has committed only up to step {self.step - 1}",
+            skipped=True,
+        )
 
     def _begin_step(self, step: int, faults: tuple[Fault, ...]) -> None:
         """Phase one's preamble: check the step, arm its faults, drop any leftover step.
