@@ -76,6 +76,12 @@ class StepStats:
     timeline: list[tuple[str, float, float]] = field(default_factory=list)
     """(action, start, end) per compute action, seconds since the step began."""
 
+    @property
+    def finite(self) -> bool:
+        """Whether the loss (if any was computed here) and the gradient norm are finite:
+        a step may be committed only if every worker's are."""
+        return math.isfinite(self.grad_norm) and (not self.losses or math.isfinite(self.loss_sum))
+
 
 def call_stage(
     module: nn.Module, x: Activation, *, first: bool, last: bool, natural: bool

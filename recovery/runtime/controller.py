@@ -243,10 +243,9 @@ class Controller:
         """Spares were taken by a recovery: start new ones once training is back (see
         [Note: restocking spares after the first step])."""
         self._pending_commit: _PendingCommit | None = None
-        self._ahead: tuple[int, int] | None = None
-        """Steps sent before the ones running were settled: the first and how many (see
-        [Note: pipelined commit]); their calls are ``_ahead_calls``."""
-        self._ahead_calls: dict[int, Call] = {}
+        self._ahead: tuple[int, int, dict[int, Call]] | None = None
+        """Steps sent before the ones running were settled: the first, how many, and the
+        calls (see [Note: pipelined commit])."""
         self.tokens_per_step = 0
         self.layout: StateLayout
         self.members: Membership
@@ -408,11 +407,11 @@ class Controller:
         nxt = step + count
         if broke:  # died applying it: this step cannot complete, and is run again
             abort_pending(self.group)(list(calls.values()))
-        elif decide and self._may_pipeline(nxt) and self._decides(nxt, self._check_due(nxt)):
+        elif decide and self._may_send_ahead(nxt):
             # the next steps wait in the workers' queues behind these
             # (see [Note: workers decide the commit] in recovery/worker/stage.py)
-            self._ahead = (nxt, self._batch(nxt))
-            self._ahead_calls = self._submit(nxt, self._ahead[1], {}, False, True)
+            n = self._batch(nxt)
+            self._ahead = (nxt, n, self._submit(nxt, n, {}, False, True))
         outcome = await_step(self.group, calls, self.policy.timeouts.hang)
         outcome.lost.update(broke)
         if decide:
@@ -610,21 +609,23 @@ class Controller:
             return 1
         most = max(1, min(BATCH_STEPS, int(BATCH_S / last)))
         n = 1
-        while (
-            n < most
-            and self._may_pipeline(step + n)
-            and self._decides(step + n, self._check_due(step + n))
-        ):
+        while n < most and self._may_send_ahead(step + n):
             n += 1
         return n
+
+    def _may_send_ahead(self, step: int) -> bool:
+        """Whether ``step`` may go out before the one before it is back: the workers decide
+        it and nothing needs the controller between the two."""
+        return self._may_pipeline(step) and self._decides(step, self._check_due(step))
 
     def _take_ahead(self, step: int) -> tuple[dict[int, Call], int] | None:
         """The calls of the steps from ``step`` if they were sent ahead, and how many."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return None
-        assert ahead[0] == step, (ahead[0], step)
-        return self._ahead_calls, ahead[1]
+        first, count, calls = ahead
+        assert first == step, (first, step)
+        return calls, count
 
     def _drop_ahead(self, outcome: StepOutcome) -> StepOutcome:
         """The steps sent ahead are void (the one before failed or is not committed
@@ -634,9 +635,10 @@ class Controller:
         if ahead is None:
             return StepOutcome()
         assert self.group is not None
+        calls = ahead[2]
         if not outcome.ok:
-            abort_pending(self.group)(list(self._ahead_calls.values()))
-        return await_step(self.group, self._ahead_calls, self.policy.timeouts.hang)
+            abort_pending(self.group)(list(calls.values()))
+        return await_step(self.group, calls, self.policy.timeouts.hang)
 
     def _may_pipeline(self, nxt: int) -> bool:
         """Whether step ``nxt``'s calls may go out before the step before it is settled:

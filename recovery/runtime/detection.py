@@ -22,7 +22,6 @@ its replacement copies the committed state.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -212,9 +211,7 @@ def non_finite(reports: Mapping[int, StepReport]) -> dict[int, str]:
     """Workers whose loss or gradient norm is NaN or infinite, with what was seen."""
     bad = {}
     for rank, r in reports.items():
-        if (r.stats.losses and not math.isfinite(r.stats.loss_sum)) or not math.isfinite(
-            r.stats.grad_norm
-        ):
+        if not r.stats.finite:
             bad[rank] = f"non-finite loss {r.stats.loss_sum} or gradient norm {r.stats.grad_norm}"
     return bad
 

@@ -22,7 +22,7 @@ Waiting for the controller's ``commit`` puts a round trip through it into every 
 while DDP goes straight from its all-reduce to its optimizer. So on most steps
 (``decide``) the workers take the decision themselves, exactly as the controller would:
 after the gradient all-reduce each worker says whether its step is ready (finite loss
-and gradient norm, what `recovery.runtime.detection.non_finite` checks), and one
+and gradient norm, `StepStats.finite`, what the controller checks too), and one
 all-gather over the whole generation (`StageComm.exchange`: the flag, the loss and the
 gradient norm of every worker) tells everyone whether all are. If so each applies the
 step at once and reports it committed, with everyone's loss and norm -- so the step's
@@ -46,7 +46,6 @@ can be further apart: committing the next step needs the holder's vote on it.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import signal
 import threading
@@ -142,14 +141,16 @@ class StageWorker(Snapshotting, StateTransfer):
         workers decide the commit]), stopping at the first one not committed here.
         ``faults`` strike in the first. Returns the last step's report, which carries the
         committed ones before it (``batch``)."""
+        if count < 1:
+            raise ValueError(f"count must be positive, got {count}")
         done: list[StepReport] = []
         for s in range(step, step + count):
             report = self.run_step(s, faults if s == step else (), decide=True)
             if not report.committed or s == step + count - 1:
-                report.batch = done
-                return report
+                break
             done.append(report)
-        raise ValueError(f"count must be positive, got {count}")
+        report.batch = done
+        return report
 
     def fingerprint(self) -> dict[str, str]:
         """The fingerprint of this worker's parameters and optimizer state (parameters only
@@ -177,12 +178,9 @@ class StageWorker(Snapshotting, StateTransfer):
         workers decide the commit]."""
         assert self.comm is not None
         stats = report.stats
-        ready = math.isfinite(stats.grad_norm) and (
-            not stats.losses or math.isfinite(stats.loss_sum)
-        )
         try:
             rows = self.comm.exchange(
-                [float(ready), stats.loss_sum, float(stats.losses), stats.clipped_grad_norm]
+                [float(stats.finite), stats.loss_sum, float(stats.losses), stats.clipped_grad_norm]
             )
         except Exception as exc:
             if not is_comm_error(exc):
