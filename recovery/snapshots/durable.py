@@ -34,12 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict_saver import (
-    AsyncCheckpointerType,
-    AsyncSaveResponse,
-)
 
 from parallelism.checks import check_index
 from recovery.checkpoint import (
@@ -202,6 +197,14 @@ class DurableStore(SnapshotFolder):
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        # Imported here: torch.distributed.checkpoint takes ~0.9 s to import, which every
+        # worker start (a cold replacement's included) would pay without durable snapshots.
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import (
+            AsyncCheckpointerType,
+            AsyncSaveResponse,
+        )
+
         try:
             response = dcp.async_save(
                 worker_state_dict(module, optimizer, step),
