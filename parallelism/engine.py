@@ -8,8 +8,8 @@ optimizer: applying a step is the caller's decision (the two-phase step, see
 communication error simply propagates.
 
 [Note: overlapped all-reduce]
-With replicas to average with, the stage's gradients live in one flat buffer (see
-`StageEngine._bind_gradients`), cut into buckets from its end -- the last parameters' come
+With replicas to average with, the stage's gradients are copied into one flat buffer as
+backward makes them (see `StageEngine._bind_gradients`), cut into buckets from its end -- the last parameters' come
 first out of backward -- a small first one (``FIRST_BUCKET_BYTES``), then
 ``BUCKET_BYTES`` each, as DDP does. During the step's last backward (earlier microbatches
 only accumulate), a hook on every parameter counts its bucket's final gradients, and a
@@ -165,12 +165,15 @@ class StageEngine:
         """Set while the step's last backward runs: the buckets its hooks launch."""
 
     def _bind_gradients(self) -> None:
-        """Point every own parameter's ``.grad`` at its slice of one zeroed flat buffer, so
-        that backward accumulates into it and the all-reduce runs on it in place: no
-        flatten copy before, no unflatten copy after. The values are those of separate
-        ``.grad`` tensors (backward adds into a zero, exact), so training is unchanged to
-        the bit. Only with replicas to average with, and one dtype and device, as
-        ``_flatten_dense_tensors`` needs too."""
+        """Make sure the flat gradient buffer exists and drop every own parameter's
+        ``.grad``, so that the step's backward makes fresh gradients (autograd hands the
+        first one over without a copy); each is then copied into its slice of the buffer
+        (`_place`), where the all-reduce runs on it in place, and the parameter's ``.grad``
+        becomes that slice. One copy per gradient, where zeroing the buffer and letting
+        backward add into it costs a zeroing pass and a read more; the values are those of
+        separate ``.grad`` tensors either way, so training is unchanged to the bit. Only with
+        replicas to average with, and one dtype and device, as ``_flatten_dense_tensors``
+        needs too."""
         if self.topology.replicas < 2 or not self.params:
             return
         if self._grad_flat is None:
@@ -184,10 +187,21 @@ class StageEngine:
                 self._grad_views.append(self._grad_flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
             self._make_buckets()
+        for p in self.params:
+            p.grad = None
+
+    def _place(self, index: int) -> None:
+        """Put own parameter ``index``'s gradient into its slice of the flat buffer (a zero
+        if it has none) and make the slice its ``.grad``."""
+        param, view = self.params[index], self._grad_views[index]
+        grad = param.grad
+        if grad is not None and grad.data_ptr() == view.data_ptr():
+            return
+        if grad is None:
+            view.zero_()
         else:
-            self._grad_flat.zero_()
-        for p, view in zip(self.params, self._grad_views, strict=True):
-            p.grad = view
+            view.copy_(grad)
+        param.grad = view
 
     def _make_buckets(self) -> None:
         """Cut the flat buffer into buckets, from its end (backward's order), and hook every
@@ -198,17 +212,15 @@ class StageEngine:
         offsets = [0]
         for p in self.params:
             offsets.append(offsets[-1] + p.numel())
-        cap, end, members = FIRST_BUCKET_BYTES, len(self.params), 0
+        cap, end = FIRST_BUCKET_BYTES, len(self.params)
         for start in range(len(self.params) - 1, -1, -1):
-            members += 1
             if (offsets[end] - offsets[start]) * size >= cap or start == 0:
                 index = len(self._buckets)
-                self._buckets.append(
-                    _Bucket(self._grad_flat[offsets[start] : offsets[end]], members)
-                )
-                for j in range(start, end):
+                members = range(start, end)
+                self._buckets.append(_Bucket(self._grad_flat[offsets[start] : offsets[end]], members))
+                for j in members:
                     self._bucket_of[j] = index
-                end, members, cap = start, 0, BUCKET_BYTES
+                end, cap = start, BUCKET_BYTES
         for i, p in enumerate(self.params):
             self._hooks.append(p.register_post_accumulate_grad_hook(partial(self._on_grad, i)))
 
@@ -219,12 +231,7 @@ class StageEngine:
         overlap = self._overlap
         if overlap is None:
             return
-        view = self._grad_views[index]
-        if param.grad is None or param.grad.data_ptr() != view.data_ptr():
-            # Backward replaced the bound gradient (it accumulates dense ones in place, so
-            # only user code does this): put the value back where the all-reduce reads it.
-            view.copy_(param.grad if param.grad is not None else torch.zeros_like(view))
-            param.grad = view
+        self._place(index)
         overlap.ready[self._bucket_of[index]] += 1
         overlap.launch(self._buckets)
 
@@ -319,7 +326,7 @@ class StageEngine:
                 for t, g in zip(total, grads, strict=True):
                     t.add_(g)
             for p in (*self.params, *self.shared):
-                p.grad = None  # the next share starts from zero (a bound buffer is re-zeroed)
+                p.grad = None  # the next share starts from zero
         self._bind_gradients()
         if total is not None:  # else no share: a zero contribution
             for p, t in zip((*self.params, *self.shared), total, strict=True):
@@ -348,9 +355,10 @@ class StageEngine:
         *,
         overlap: bool,
     ) -> None:
-        """The schedule's actions for this stage; gradients accumulate into ``.grad`` (a
-        zeroed flat buffer with replicas), bucket all-reduces launched from the last
-        backward when ``overlap`` (see [Note: overlapped all-reduce])."""
+        """The schedule's actions for this stage; gradients accumulate into ``.grad`` (with
+        replicas, fresh ones, placed in the flat buffer by the last backward's hooks), bucket
+        all-reduces launched from the last backward when ``overlap`` (see [Note: overlapped
+        all-reduce])."""
         self.progress.mark()
         actions = schedule.for_stage(self.stage)
         num_mb = schedule.num_microbatches
@@ -442,6 +450,9 @@ class StageEngine:
         stats.schedule_s += time.perf_counter() - t0
 
     def _reduce_gradients(self, comm: StageComm | None, hook: Hook, stats: StepStats) -> None:
+        if self._grad_flat is not None:  # the gradients no hook placed (none, without overlap)
+            for index in range(len(self.params)):
+                self._place(index)
         for p in (*self.params, *self.shared):
             if p.grad is None:  # a parameter unused this step still takes part in the reduction
                 p.grad = torch.zeros_like(p)
@@ -470,7 +481,10 @@ class StageEngine:
             flat_tied = _flatten_dense_tensors(tied)
             works.append((comm.allreduce_tied(flat_tied), flat_tied, tied))
         hook(DURING_ALLREDUCE)
-        for work, flat, grads in works:
+        # With buckets, each one's gradients are averaged and their norms taken as soon as
+        # its all-reduce is back, while the later ones are still on the wire.
+        norms: dict[int, torch.Tensor] | None = {} if overlap is not None else None
+        for k, (work, flat, grads) in enumerate(works):
             if work is not None:
                 comm.wait(work)  # type: ignore[union-attr]
             if replicas > 1:
@@ -478,8 +492,16 @@ class StageEngine:
             if grads:
                 for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
                     grad.copy_(reduced)
+            if norms is not None and k < len(self._buckets):
+                for i in self._buckets[k].params:
+                    norms[i] = torch.linalg.vector_norm(self._grad_views[i], 2.0)
+        own_norms = [norms[i] for i in range(len(self.params))] if norms is not None else None
         norm, clipped = clip_gradients(
-            self.params, self.clip_grad_norm, self.shared, shared_is_home=self.shared_is_home
+            self.params,
+            self.clip_grad_norm,
+            self.shared,
+            shared_is_home=self.shared_is_home,
+            norms=own_norms,
         )
         stats.grad_norm, stats.clipped_grad_norm = norm, clipped
 
@@ -498,8 +520,13 @@ class Share:
 class _Bucket:
     flat: torch.Tensor
     """A slice of the flat gradient buffer: the gradients of consecutive parameters."""
-    members: int
-    """How many parameters' gradients it holds."""
+    params: range
+    """The indices of those parameters (in `StageEngine.params`)."""
+
+    @property
+    def members(self) -> int:
+        """How many parameters' gradients it holds."""
+        return len(self.params)
 
 
 @dataclass
@@ -522,11 +549,18 @@ class _Overlap:
             self.works.append(self.comm.allreduce_stage(bucket.flat))
 
 
-def _clip_group(params: Sequence[nn.Parameter], max_norm: float | None) -> tuple[float, float]:
+def _clip_group(
+    params: Sequence[nn.Parameter],
+    max_norm: float | None,
+    norms: Sequence[torch.Tensor] | None = None,
+) -> tuple[float, float]:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0, 0.0
-    norm = float(torch.nn.utils.get_total_norm(grads))
+    if norms is None:
+        norm = float(torch.nn.utils.get_total_norm(grads))
+    else:  # get_total_norm's arithmetic for gradients of one device and dtype
+        norm = float(torch.linalg.vector_norm(torch.stack(list(norms)), 2.0))
     if max_norm is None or not math.isfinite(norm) or norm <= max_norm:
         return norm, norm
     torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm)
@@ -539,6 +573,7 @@ def clip_gradients(
     shared: Sequence[nn.Parameter] = (),
     *,
     shared_is_home: bool = True,
+    norms: Sequence[torch.Tensor] | None = None,
 ) -> tuple[float, float]:
     """Clip a stage's gradient in place; return ``(norm before, recorded norm after)``.
 
@@ -548,9 +583,11 @@ def clip_gradients(
     (what CheckFree's weights read) is that of ``params`` after clipping, combined with
     ``shared``'s on their home stage. Without ``max_norm`` nothing is scaled. The
     single-process reference and the convergence simulator call this too, so all compute
-    the same arithmetic.
+    the same arithmetic. ``norms``: the L2 norm of each of ``params``' gradients, already
+    taken (all of one device and dtype, every one with a gradient), which gives the same
+    bits as taking them here.
     """
-    own_before, own_after = _clip_group(params, max_norm)
+    own_before, own_after = _clip_group(params, max_norm, norms)
     if not shared:
         return own_before, own_after
     shared_before, shared_after = _clip_group(shared, max_norm)

@@ -273,3 +273,85 @@ def test_allreduce_overlaps_backward_in_bucket_order(
         assert whole[0][1] == []
         for g, g0 in zip(out[0][0], whole[0][0], strict=True):
             assert torch.equal(g, g0)
+
+
+class _Sometimes(torch.nn.Module):
+    """Three linear layers; the middle one only when ``use_middle`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.middle, self.b = (torch.nn.Linear(64, 64) for _ in range(3))
+        self.use_middle = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a(x)
+        if self.use_middle:
+            x = self.middle(x)
+        return self.b(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_reduced_gradients_and_norm_are_those_of_separate_gradients(
+    microbatches: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The flat buffer is not zeroed between steps: each gradient is copied in as backward
+    makes it (`StageEngine._place`). A parameter used in one step and not in the next gets a
+    zero in the next -- not the last step's value -- and the reduced gradients and their
+    norm are, bit for bit, the average of the replicas' own gradients and its
+    ``get_total_norm``, with one bucket per layer (norms taken bucket by bucket)."""
+    monkeypatch.setattr(engine_mod, "FIRST_BUCKET_BYTES", 4 * 64 * 64)
+    monkeypatch.setattr(engine_mod, "BUCKET_BYTES", 4 * 64 * 64)
+    top = Topology(1, 2)
+    store = host_store("127.0.0.1")
+    rdzv = Rendezvous("127.0.0.1", store.port, "gen0", 20)
+    comms = in_threads([lambda r=r: StageComm(rdzv, top, r, "gloo", "127.0.0.1") for r in range(2)])
+    schedule = build_schedule("1f1b", 1, microbatches)
+    torch.manual_seed(0)
+    modules = [_Sometimes() for _ in range(2)]
+    modules[1].load_state_dict(modules[0].state_dict())
+    data = torch.Generator().manual_seed(1)
+    batches = [
+        [[torch.randn(4, 64, generator=data) for _ in range(2 * microbatches)] for _ in range(2)]
+        for _ in range(3)
+    ]  # [step][replica] -> microbatch inputs, then targets
+    uses = [True, False, True]
+
+    def replica(r: int) -> list[tuple[list[torch.Tensor], float]]:
+        module = modules[r]
+        eng = engine_mod.StageEngine(
+            module, stage=0, replica=r, topology=top,
+            loss_fn=torch.nn.functional.mse_loss, device=torch.device("cpu"),
+        )  # fmt: skip
+        out = []
+        for step, use in enumerate(uses):
+            module.use_middle = use
+            data = batches[step][r]
+            stats = eng.run(schedule, comms[r], data[:microbatches], data[microbatches:])
+            assert eng._bound()
+            out.append(([p.grad.clone() for p in eng.params], stats.grad_norm))  # type: ignore[union-attr]
+            module.zero_grad(set_to_none=True)
+        return out
+
+    got = in_threads([lambda r=r: replica(r) for r in range(2)])
+    for c in comms:
+        c.close()
+    assert not isinstance(got[0], BaseException), got[0]
+    assert not isinstance(got[1], BaseException), got[1]
+    for step, use in enumerate(uses):
+        own = []
+        for r in range(2):  # the same module (weights never stepped), plain autograd
+            module = modules[r]
+            module.use_middle = use
+            data = batches[step][r]
+            for x, y in zip(data[:microbatches], data[microbatches:], strict=True):
+                (torch.nn.functional.mse_loss(module(x), y) / microbatches).backward()
+            own.append([p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                        for p in module.parameters()])  # fmt: skip
+            module.zero_grad(set_to_none=True)
+        expected = [(g0 + g1) / 2 for g0, g1 in zip(*own, strict=True)]
+        for r in range(2):
+            grads, norm = got[r][step]
+            for g, e in zip(grads, expected, strict=True):
+                assert torch.equal(g, e)
+            assert norm == float(torch.nn.utils.get_total_norm(expected))
+        assert use or not expected[2].any()  # the middle layer's weight: a zero when unused
