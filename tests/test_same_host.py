@@ -9,6 +9,7 @@ import ctypes
 import errno
 import os
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -222,8 +223,10 @@ def test_a_sender_lost_in_the_middle_of_a_pipelined_read_is_a_communication_erro
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A failure after some tensors landed raises on the receiver's thread, and the
-    helper thread is gone before it does (nothing writes into the targets afterwards)."""
+    helper thread is gone before it does (nothing writes into the targets afterwards).
+    With one reader, so that which tensors landed first is fixed."""
     monkeypatch.setattr(same_host, "BATCH_BYTES", 1)
+    monkeypatch.setattr(same_host, "READERS", 1)
     real = same_host._READV
     calls = []
 
@@ -243,6 +246,50 @@ def test_a_sender_lost_in_the_middle_of_a_pipelined_read_is_a_communication_erro
         same_host.read_offer(made, [torch.empty(100) for _ in sources], 4, landed.append)
     assert is_comm_error(err.value) and "rank 4" in str(err.value)
     assert landed == [0, 1] and _helpers() == []
+
+
+@pytest.mark.parametrize("fail_at", [None, 7])
+def test_several_readers_hand_tensors_over_in_order(
+    fail_at: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Readers take batches in turn and land them out of order; ``landed`` still comes in
+    order, each tensor holding its bytes. A read failing on one reader raises here after
+    the tensors before it landed, and every reader is gone when it does."""
+    monkeypatch.setattr(same_host, "BATCH_BYTES", 1)
+    monkeypatch.setattr(same_host, "READERS", 3)
+    real = same_host._READV
+    lock = threading.Lock()
+    reads: list[int] = []
+
+    def slow_odd(pid: int, local: Any, n: int, remote: Any, m: int, flags: int) -> int:
+        with lock:
+            reads.append(1)
+            count = len(reads)
+        if count == fail_at:
+            ctypes.set_errno(errno.ESRCH)
+            return -1
+        if count % 2:
+            time.sleep(0.01)  # every other read late: later batches land first
+        return int(real(pid, local, n, remote, m, flags))
+
+    monkeypatch.setattr(same_host, "_READV", slow_odd)
+    sources = [torch.randn(50 + i) for i in range(12)]
+    targets = [torch.empty_like(t) for t in sources]
+    made = same_host.offer(sources)
+    assert made is not None
+    seen: list[tuple[int, bool]] = []
+
+    def landed(i: int) -> None:
+        seen.append((i, torch.equal(targets[i], sources[i])))
+
+    if fail_at is None:
+        assert same_host.read_offer(made, targets, 0, landed)
+        assert seen == [(i, True) for i in range(len(sources))]
+    else:
+        with pytest.raises(ConnectionError):
+            same_host.read_offer(made, targets, 2, landed)
+        assert seen == [(i, True) for i in range(len(seen))] and len(seen) < len(sources)
+    assert _helpers() == []
 
 
 def test_a_pipelined_read_the_kernel_refuses_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
