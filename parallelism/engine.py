@@ -181,7 +181,8 @@ class StageEngine:
             if any(p.dtype != first.dtype or p.device != first.device for p in self.params):
                 return
             total = sum(p.numel() for p in self.params)
-            self._grad_flat = torch.zeros(total, dtype=first.dtype, device=first.device)
+            # Not zeroed: every slice is written (`_place`) before an all-reduce reads it.
+            self._grad_flat = torch.empty(total, dtype=first.dtype, device=first.device)
             offset = 0
             for p in self.params:
                 self._grad_views.append(self._grad_flat[offset : offset + p.numel()].view_as(p))
