@@ -5,10 +5,11 @@
 The workload is the one of a standard peer harness: 1 stage x 2 replicas, 4 x
 ``Linear(w, w)`` with ReLU, AdamW(lr 1e-4), batches of 8 random inputs and targets, MSE,
 one torch thread per process; replica 1 is SIGKILLed in the middle of a step after
-``KILL_AFTER`` committed steps. Per system, per size, per repetition it measures the
-steady step (median wall time between consecutive committed steps before the kill,
-after warm-up; every system's the same way) and the time from the kill until both
-replicas have committed a step again:
+``KILL_AFTER`` committed steps. The systems take turns, one run each per round, so that a
+slower minute of the machine falls on all of them alike. Per system, per size, per
+repetition it measures the steady step (median wall time between consecutive committed
+steps before the kill, after warm-up; every system's the same way) and the time from the
+kill until both replicas have committed a step again:
 
 - **torchrun + DDP** (Gloo): ``torch.distributed.run`` with restarts; rank 0 writes
   ``torch.save`` every 10 steps and a restart loads it (the steps since are redone). Each
@@ -404,13 +405,19 @@ def bench(sizes: list[int], repeats: int, isolated: bool) -> None:
             "checkfree, cold replacement": partial(run_checkfree, width, 0),
             "checkfree, warm spare": partial(run_checkfree, width, 1),
         }
-        for name, fn in systems.items():
-            row = Row(name, size)
-            rows.append(row)
-            if fn is None:
+        sized = [Row(name, size) for name in systems]
+        rows.extend(sized)
+        for row in sized:
+            if systems[row.system] is None:
                 row.note = 'not installed: pip install -e ".[peers]"'
-                continue
-            for rep in range(repeats):
+        # Round-robin, one run of every system per round: the machine's slower and faster
+        # minutes fall on all of them alike.
+        for rep in range(repeats):
+            for row in sized:
+                fn = systems[row.system]
+                if fn is None:
+                    continue
+                name = row.system
                 print(f"[{size} MB] {name}: run {rep + 1}/{repeats}", file=sys.stderr, flush=True)
                 RECOVERIES.clear()
                 with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
