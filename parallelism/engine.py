@@ -182,7 +182,7 @@ class StageEngine:
                 return
             total = sum(p.numel() for p in self.params)
             # Not zeroed: every slice is written (`_place`) before an all-reduce reads it.
-            self._grad_flat = torch.empty(total, dtype=first.dtype, device=first.device)
+            self._grad_flat = _flat_buffer(total, first.dtype, first.device)
             offset = 0
             for p in self.params:
                 self._grad_views.append(self._grad_flat[offset : offset + p.numel()].view_as(p))
@@ -248,6 +248,19 @@ class StageEngine:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+
+    def keep_buffer(self) -> None:
+        """Make this engine's flat gradient buffer if it has none, and leave it to the next
+        engine this process makes for a stage of as many gradient elements (a hot spare's
+        warm-up, for the stage it then takes over: see `kept_buffers`). The engine is done
+        with after this: its hooks are removed."""
+        self._bind_gradients()
+        if self._grad_flat is not None:
+            self._grad_flat.zero_()  # its pages, faulted in here, not in the next first step
+            _KEPT.append(self._grad_flat)
+            self._grad_flat, self._grad_views, self._buckets = None, [], []
+            self._bucket_of = {}
+        self.release()
 
     def _bound(self) -> bool:
         """Whether backward left every own gradient in the flat buffer (nothing replaced one)."""
@@ -505,6 +518,41 @@ class StageEngine:
             norms=own_norms,
         )
         stats.grad_norm, stats.clipped_grad_norm = norm, clipped
+
+
+_KEPT: list[torch.Tensor] = []
+"""Flat gradient buffers left by `StageEngine.keep_buffer` for the next engine."""
+
+
+def kept_buffers(keep: bool) -> int:
+    """Bytes of the flat gradient buffers kept for this process's next engine; ``keep``
+    False drops them (a worker parked for another job).
+
+    [Note: a kept gradient buffer]
+    A stage's flat gradient buffer is one allocation of its whole gradient. On a thread
+    other than the main one -- where a Ray actor runs its calls -- glibc serves a block
+    larger than one of the thread's 64 MiB heaps with a fresh ``mmap``, whatever malloc's
+    settings (recovery/worker/memory.py), and a fresh mapping faults in on first touch: a
+    replacement's first step after a warm-spare recovery of the 100 MB 1x2 job
+    (bench.py peers) took ~26,700 page faults (its 104 MB buffer's pages), all in its
+    backward, where its gradients are copied into the new buffer. So a hot spare's
+    warm-up makes the buffer once, touches it, and keeps it (`StageEngine.keep_buffer`),
+    and the engine of the stage it takes over takes it if the size matches (any stage
+    of a pure data-parallel job, a spare's own stage else).
+    """
+    if not keep:
+        _KEPT.clear()
+    return sum(t.numel() * t.element_size() for t in _KEPT)
+
+
+def _flat_buffer(total: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised flat gradient buffer: a kept one of this size, else a new one
+    (and the kept ones, for another stage, are dropped: they serve the next engine only)."""
+    for i, kept in enumerate(_KEPT):
+        if kept.numel() == total and kept.dtype == dtype and kept.device == device:
+            return _KEPT.pop(i)
+    _KEPT.clear()
+    return torch.empty(total, dtype=dtype, device=device)
 
 
 @dataclass

@@ -290,17 +290,22 @@ class _Sometimes(torch.nn.Module):
         return self.b(x)  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("microbatches", [1, 2])
+@pytest.mark.parametrize(("microbatches", "kept"), [(1, False), (2, False), (1, True)])
 def test_reduced_gradients_and_norm_are_those_of_separate_gradients(
-    microbatches: int, monkeypatch: pytest.MonkeyPatch
+    microbatches: int, kept: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The flat buffer is not zeroed between steps: each gradient is copied in as backward
-    makes it (`StageEngine._place`). A parameter used in one step and not in the next gets a
-    zero in the next -- not the last step's value -- and the reduced gradients and their
-    norm are, bit for bit, the average of the replicas' own gradients and its
-    ``get_total_norm``, with one bucket per layer (norms taken bucket by bucket)."""
+    """The flat buffer is never zeroed: each gradient is copied in as backward makes it
+    (`StageEngine._place`). A parameter used in one step and not in the next gets a zero in
+    the next -- not the last step's value -- and the reduced gradients and their norm are,
+    bit for bit, the average of the replicas' own gradients and its ``get_total_norm``,
+    with one bucket per layer (norms taken bucket by bucket). ``kept``: the engines take
+    kept buffers full of NaN (see [Note: a kept gradient buffer]); none of it shows."""
     monkeypatch.setattr(engine_mod, "FIRST_BUCKET_BYTES", 4 * 64 * 64)
     monkeypatch.setattr(engine_mod, "BUCKET_BYTES", 4 * 64 * 64)
+    monkeypatch.setattr(engine_mod, "_KEPT", [])
+    if kept:
+        size = sum(p.numel() for p in _Sometimes().parameters())
+        engine_mod._KEPT.extend(torch.full((size,), float("nan")) for _ in range(2))
     top = Topology(1, 2)
     store = host_store("127.0.0.1")
     rdzv = Rendezvous("127.0.0.1", store.port, "gen0", 20)
@@ -335,6 +340,7 @@ def test_reduced_gradients_and_norm_are_those_of_separate_gradients(
     got = in_threads([lambda r=r: replica(r) for r in range(2)])
     for c in comms:
         c.close()
+    assert engine_mod.kept_buffers(keep=True) == 0  # taken, if there were any
     assert not isinstance(got[0], BaseException), got[0]
     assert not isinstance(got[1], BaseException), got[1]
     for step, use in enumerate(uses):
@@ -355,3 +361,57 @@ def test_reduced_gradients_and_norm_are_those_of_separate_gradients(
                 assert torch.equal(g, e)
             assert norm == float(torch.nn.utils.get_total_norm(expected))
         assert use or not expected[2].any()  # the middle layer's weight: a zero when unused
+
+
+def test_a_kept_buffer_serves_the_next_engine_of_its_size_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """[Note: a kept gradient buffer]: `keep_buffer` leaves a touched buffer (and its
+    engine's hooks removed); the next engine of the same size takes it, one of another size
+    drops it, and ``kept_buffers(keep=False)`` drops it too."""
+    monkeypatch.setattr(engine_mod, "_KEPT", [])
+    top = Topology(1, 2)
+
+    def engine(module: torch.nn.Module) -> engine_mod.StageEngine:
+        return engine_mod.StageEngine(
+            module, stage=0, replica=0, topology=top,
+            loss_fn=torch.nn.functional.mse_loss, device=torch.device("cpu"),
+        )  # fmt: skip
+
+    module = torch.nn.Linear(8, 8)
+    first = engine(module)
+    first.keep_buffer()
+    assert first._hooks == [] and first._grad_flat is None
+    (buffer,) = engine_mod._KEPT
+    assert engine_mod.kept_buffers(keep=True) == 72 * 4 and not buffer.any()
+    second = engine(torch.nn.Linear(8, 8))
+    second._bind_gradients()
+    assert second._grad_flat is buffer and engine_mod._KEPT == []
+    second.keep_buffer()
+    engine(torch.nn.Linear(8, 4))._bind_gradients()  # another size: a new one, the kept dropped
+    assert engine_mod._KEPT == []
+    engine(torch.nn.Linear(8, 8)).keep_buffer()
+    assert engine_mod.kept_buffers(keep=False) == 0 and engine_mod._KEPT == []
+
+
+def test_a_spares_warm_up_keeps_the_buffer_for_the_stage_it_takes_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hot spare's warm-up keeps its stage's gradient buffer; the stage it is set up for
+    next takes it at its first step; a worker parked for another job drops it."""
+    from recovery.worker.stage import StageWorker
+
+    monkeypatch.setattr(engine_mod, "_KEPT", [])
+    spec, top = mlp_spec(), Topology(1, 2)
+    worker = StageWorker()
+    worker.warm(spec, top, "gloo")
+    (kept,) = engine_mod._KEPT
+    worker.setup(spec, top, 1, "gloo")
+    assert kept.numel() == sum(p.numel() for p in worker.engine.params)
+    worker.engine._bind_gradients()  # what its first step does first
+    assert worker.engine._grad_flat is kept and engine_mod._KEPT == []
+    worker.reset(release=False)
+    worker.warm(spec, top, "gloo")
+    assert engine_mod.kept_buffers(keep=True) > 0
+    worker.reset()  # parked: gives its memory back
+    assert engine_mod.kept_buffers(keep=True) == 0

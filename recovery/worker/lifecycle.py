@@ -17,7 +17,7 @@ import torch
 
 from parallelism.comm import Rendezvous, StageComm
 from parallelism.devices import compute_device, deterministic_cuda
-from parallelism.engine import StageEngine
+from parallelism.engine import StageEngine, kept_buffers
 from parallelism.schedule import build_schedule, forward_only, swapped_routes
 from parallelism.topology import Topology
 from parallelism.zero import ZeroShard
@@ -231,6 +231,7 @@ class WorkerLifecycle:
         self.generation = -1
         self.step = 0
         if release:
+            kept_buffers(keep=False)
             release_freed_memory()
 
     def warm(
@@ -238,13 +239,15 @@ class WorkerLifecycle:
     ) -> float:
         """Pay a worker's one-time costs ahead of need (a hot spare): build a stage, run an
         optimizer step. The memory they touched stays with the process, for the state a
-        replacement receives. Returns seconds taken."""
+        replacement receives, and so does the stage's flat gradient buffer (see [Note: a
+        kept gradient buffer] in parallelism/engine.py). Returns seconds taken."""
         start = time.perf_counter()
         self.setup(spec, topology, 0, backend, device)
         inputs, _ = spec.split(spec.batches(0, 0, topology.replicas), step=0, replica=0)
         out = self.module(inputs[0].to(self.device))  # autograd's first use is slow too
         out.float().sum().backward()
         self.optimizer.step()
+        self.engine.keep_buffer()
         self.reset(release=False)
         return time.perf_counter() - start
 
