@@ -218,7 +218,9 @@ class StageEngine:
             if (offsets[end] - offsets[start]) * size >= cap or start == 0:
                 index = len(self._buckets)
                 members = range(start, end)
-                self._buckets.append(_Bucket(self._grad_flat[offsets[start] : offsets[end]], members))
+                self._buckets.append(
+                    _Bucket(self._grad_flat[offsets[start] : offsets[end]], members)
+                )
                 for j in members:
                     self._bucket_of[j] = index
                 end, cap = start, BUCKET_BYTES
