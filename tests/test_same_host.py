@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -324,10 +325,14 @@ def test_a_source_killed_mid_transfer_is_retried_and_the_job_ends_exact(
     taken: list[bool],
 ) -> None:
     """Nothing is shared, so nothing is left to clean up: the copy is retried from
-    another replica and the job ends bit-identical to one that never failed."""
+    another replica, the job ends bit-identical to one that never failed, and no
+    shared-memory segment appeared meanwhile."""
+    shm = Path("/dev/shm")
+    before = set(shm.iterdir()) if shm.is_dir() else set()
     controller, _ = run(once(SOURCE, "send_state", delay=0.001))
     assert controller.phase is Phase.FINISHED, controller.error
     assert True in taken  # a copy came out of a sender's memory
     oracle, _ = make(mlp_spec(), TOP)
     drive(oracle)
     assert_equal_states(controller.final_states, oracle.final_states)  # type: ignore[attr-defined]
+    assert (set(shm.iterdir()) if shm.is_dir() else set()) <= before
