@@ -9,6 +9,7 @@ failed.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -311,16 +312,26 @@ def test_a_survivor_whose_vote_broke_after_everyone_elses_completed_is_rolled_fo
     1 sees its part of it fail (as when a peer dies right after passing its flag on) and
     keeps its gradients, while the others apply the step. The controller commits step 2 on
     rank 1 before anyone leaves, and the job recovers from the broken generation with
-    nothing lost: bit-identical to the run that never failed."""
+    nothing lost: bit-identical to the run that never failed. (Rank 1 breaks only once
+    every worker's vote has returned: breaking at once tears its connections down while
+    a peer may still be reading its last piece of the all-gather, and that peer is then
+    held too -- rolled forward as well, but not the case this test is about.)"""
     exchange = StageComm.exchange
-    seen: list[int] = []
+    votes: dict[int, int] = {}
+    returned: set[int] = set()
+    lock = threading.Lock()
 
     def broken_on_rank_1(self, row):  # type: ignore[no-untyped-def]
         rows = exchange(self, row)
-        if self.rank == 1:
-            seen.append(1)
-            if len(seen) == 3:  # step 2's vote
-                raise RuntimeError("Connection reset by peer (injected: after the vote)")
+        with lock:
+            votes[self.rank] = votes.get(self.rank, 0) + 1
+            if votes[self.rank] == 3:  # step 2's vote
+                returned.add(self.rank)
+        if self.rank == 1 and votes[1] == 3:
+            deadline = time.monotonic() + 30
+            while len(returned) < 4 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            raise RuntimeError("Connection reset by peer (injected: after the vote)")
         return rows
 
     monkeypatch.setattr(StageComm, "exchange", broken_on_rank_1)

@@ -1,0 +1,140 @@
+"""The data-parallel step without the runtime: checkfree's `StageEngine` against DDP.
+
+    python scripts/engine_vs_ddp.py [--size 10] [--steps 300] [--rounds 3]
+
+Two processes over Gloo on loopback, the workload of ``bench.py peers`` (4 x
+``Linear(w, w)`` + ReLU, AdamW, batch 8, MSE, one torch thread each), failure-free: per
+step, either one ``StageEngine.run`` (bucketed all-reduce overlapped with backward,
+gradient norm) and ``optimizer.step()``, or ``DistributedDataParallel`` forward/backward
+and ``optimizer.step()``. No controller, no Ray, no commit vote: what is left between
+this and ``bench.py peers`` is the runtime's share. Both keep their freed memory, as a
+checkfree worker does ([Note: a worker keeps its freed memory]). The two take turns,
+``--rounds`` times; each prints rank 0's median step and CPU seconds per step (after 3
+warm-up steps), and the final weights' sum (the same for both: the same bits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+
+import peers  # noqa: E402
+
+from recovery.worker.memory import keep_freed_memory  # noqa: E402
+
+WARMUP = 3
+
+
+def _worker(rank: int, mode: str, width: int, steps: int, port: int, out: mp.Queue) -> None:
+    torch.set_num_threads(1)
+    keep_freed_memory()
+    torch.manual_seed(0)
+    model = peers.build_model(width)
+    optimizer = peers._optimizer(model.parameters())
+    wall: list[float] = []
+    cpu: list[float] = []
+    if mode == "ddp":
+        store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, datetime.timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+
+        def step(s: int) -> None:
+            optimizer.zero_grad()
+            x, y = peers.batch(s, rank, width)
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            optimizer.step()
+    else:
+        from parallelism import Topology
+        from parallelism.comm import Rendezvous, StageComm
+        from parallelism.engine import StageEngine
+        from parallelism.schedule import build_schedule
+
+        top = Topology(1, 2)
+        comm = StageComm(Rendezvous("127.0.0.1", port, "g0", 60), top, rank, "gloo", "127.0.0.1")
+        engine = StageEngine(
+            model, stage=0, replica=rank, topology=top,
+            loss_fn=torch.nn.functional.mse_loss, device=torch.device("cpu"),
+        )  # fmt: skip
+        schedule = build_schedule("1f1b", 1, 1)
+
+        def step(s: int) -> None:
+            x, y = peers.batch(s, rank, width)
+            engine.run(schedule, comm, [x], [y])
+            optimizer.step()
+            model.zero_grad(set_to_none=True)
+
+    for s in range(steps):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        step(s)
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    total = float(sum(p.detach().double().sum() for p in model.parameters()))
+    if rank == 0:
+        out.put((statistics.median(wall[WARMUP:]), statistics.median(cpu[WARMUP:]), total))
+    out.close()
+    out.join_thread()  # the result is sent; then leave without tearing torch's threads down
+    os._exit(0)
+
+
+def _run(mode: str, width: int, steps: int) -> tuple[float, float, float]:
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()
+    store = None
+    if mode == "ddp":
+        port = peers.free_port()
+    else:  # the engine's groups form on a store the caller hosts, as the controller does
+        from parallelism.comm import host_store
+
+        store = host_store("127.0.0.1")
+        port = store.port
+    procs = [ctx.Process(target=_worker, args=(r, mode, width, steps, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    while out.empty():
+        if any(p.exitcode not in (None, 0) for p in procs):
+            raise RuntimeError(f"a {mode} worker failed (its traceback is above)")
+        time.sleep(0.1)
+    got = out.get()
+    for p in procs:
+        p.join(timeout=60)
+    del store
+    return got  # type: ignore[no-any-return]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", type=int, default=10, help="parameter MB: 10 or 100")
+    ap.add_argument("--steps", type=int, default=300, help="steps per run")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each, taking turns")
+    args = ap.parse_args(argv)
+    width = peers.WIDTHS[args.size]
+    print(f"{args.size} MB (w={width}), {args.steps} steps a run, medians after {WARMUP}")
+    ratios = []
+    for r in range(args.rounds):
+        ddp = _run("ddp", width, args.steps)
+        eng = _run("engine", width, args.steps)
+        ratios.append(eng[0] / ddp[0])
+        for name, (wall, cpu, total) in (("DDP", ddp), ("StageEngine", eng)):
+            print(
+                f"round {r + 1} {name:12s} step {wall * 1e3:6.1f} ms  cpu {cpu * 1e3:6.1f} ms"
+                f"  weights' sum {total:.6f}",
+                flush=True,
+            )
+    print("StageEngine / DDP per round: " + ", ".join(f"{x:.3f}" for x in ratios))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
