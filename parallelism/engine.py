@@ -9,9 +9,9 @@ communication error simply propagates.
 
 [Note: overlapped all-reduce]
 With replicas to average with, the stage's gradients are copied into one flat buffer as
-backward makes them (see `StageEngine._bind_gradients`), cut into buckets from its end -- the last parameters' come
-first out of backward -- a small first one (``FIRST_BUCKET_BYTES``), then
-``BUCKET_BYTES`` each, as DDP does. During the step's last backward (earlier microbatches
+backward makes them (see `StageEngine._bind_gradients`), cut into buckets from its end --
+the last parameters' come first out of backward -- a small first one
+(``FIRST_BUCKET_BYTES``), then ``BUCKET_BYTES`` each, as DDP does. During the step's last backward (earlier microbatches
 only accumulate), a hook on every parameter counts its bucket's final gradients, and a
 complete bucket's all-reduce starts at once, so the reduction runs while backward goes on
 and while the stage still sends its input gradients. Buckets start strictly in bucket
@@ -254,7 +254,7 @@ class StageEngine:
     def keep_buffer(self) -> None:
         """Make this engine's flat gradient buffer if it has none, and leave it to the next
         engine this process makes for a stage of as many gradient elements (a hot spare's
-        warm-up, for the stage it then takes over: see `kept_buffers`). The engine is done
+        warm-up, for the stage it then takes over: see [Note: a kept gradient buffer]). The engine is done
         with after this: its hooks are removed."""
         self._bind_gradients()
         if self._grad_flat is not None:
@@ -523,28 +523,25 @@ class StageEngine:
 
 
 _KEPT: list[torch.Tensor] = []
-"""Flat gradient buffers left by `StageEngine.keep_buffer` for the next engine."""
+"""Flat gradient buffers left by `StageEngine.keep_buffer` for this process's next engine.
+
+[Note: a kept gradient buffer]
+A stage's flat gradient buffer is one allocation of its whole gradient. On a thread other
+than the main one -- where a Ray actor runs its calls -- glibc serves a block larger than
+one of the thread's 64 MiB heaps with a fresh ``mmap``, whatever malloc's settings
+(recovery/worker/memory.py), and a fresh mapping faults in on first touch: a replacement's
+first step after a warm-spare recovery of the 100 MB 1x2 job (bench.py peers) took
+~26,700 page faults (its 104 MB buffer's pages), all in its backward, where its gradients
+are copied into the new buffer. So a hot spare's warm-up makes the buffer once, touches
+it, and keeps it (`StageEngine.keep_buffer`), and the engine of the stage it takes over
+takes it if the size matches (any stage of a pure data-parallel job, a spare's own stage
+else); a worker parked for another job drops it (`drop_kept_buffers`).
+"""
 
 
-def kept_buffers(keep: bool) -> int:
-    """Bytes of the flat gradient buffers kept for this process's next engine; ``keep``
-    False drops them (a worker parked for another job).
-
-    [Note: a kept gradient buffer]
-    A stage's flat gradient buffer is one allocation of its whole gradient. On a thread
-    other than the main one -- where a Ray actor runs its calls -- glibc serves a block
-    larger than one of the thread's 64 MiB heaps with a fresh ``mmap``, whatever malloc's
-    settings (recovery/worker/memory.py), and a fresh mapping faults in on first touch: a
-    replacement's first step after a warm-spare recovery of the 100 MB 1x2 job
-    (bench.py peers) took ~26,700 page faults (its 104 MB buffer's pages), all in its
-    backward, where its gradients are copied into the new buffer. So a hot spare's
-    warm-up makes the buffer once, touches it, and keeps it (`StageEngine.keep_buffer`),
-    and the engine of the stage it takes over takes it if the size matches (any stage
-    of a pure data-parallel job, a spare's own stage else).
-    """
-    if not keep:
-        _KEPT.clear()
-    return sum(t.numel() * t.element_size() for t in _KEPT)
+def drop_kept_buffers() -> None:
+    """Give up the kept flat gradient buffers (see [Note: a kept gradient buffer])."""
+    _KEPT.clear()
 
 
 def _flat_buffer(total: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -340,7 +340,7 @@ def test_reduced_gradients_and_norm_are_those_of_separate_gradients(
     got = in_threads([lambda r=r: replica(r) for r in range(2)])
     for c in comms:
         c.close()
-    assert engine_mod.kept_buffers(keep=True) == 0  # taken, if there were any
+    assert engine_mod._KEPT == []  # taken, if there were any
     assert not isinstance(got[0], BaseException), got[0]
     assert not isinstance(got[1], BaseException), got[1]
     for step, use in enumerate(uses):
@@ -368,7 +368,7 @@ def test_a_kept_buffer_serves_the_next_engine_of_its_size_only(
 ) -> None:
     """[Note: a kept gradient buffer]: `keep_buffer` leaves a touched buffer (and its
     engine's hooks removed); the next engine of the same size takes it, one of another size
-    drops it, and ``kept_buffers(keep=False)`` drops it too."""
+    drops it, and ``drop_kept_buffers`` drops it too."""
     monkeypatch.setattr(engine_mod, "_KEPT", [])
     top = Topology(1, 2)
 
@@ -383,7 +383,7 @@ def test_a_kept_buffer_serves_the_next_engine_of_its_size_only(
     first.keep_buffer()
     assert first._hooks == [] and first._grad_flat is None
     (buffer,) = engine_mod._KEPT
-    assert engine_mod.kept_buffers(keep=True) == 72 * 4 and not buffer.any()
+    assert buffer.numel() == 72 and not buffer.any()
     second = engine(torch.nn.Linear(8, 8))
     second._bind_gradients()
     assert second._grad_flat is buffer and engine_mod._KEPT == []
@@ -391,7 +391,8 @@ def test_a_kept_buffer_serves_the_next_engine_of_its_size_only(
     engine(torch.nn.Linear(8, 4))._bind_gradients()  # another size: a new one, the kept dropped
     assert engine_mod._KEPT == []
     engine(torch.nn.Linear(8, 8)).keep_buffer()
-    assert engine_mod.kept_buffers(keep=False) == 0 and engine_mod._KEPT == []
+    engine_mod.drop_kept_buffers()
+    assert engine_mod._KEPT == []
 
 
 def test_a_spares_warm_up_keeps_the_buffer_for_the_stage_it_takes_over(
@@ -412,6 +413,6 @@ def test_a_spares_warm_up_keeps_the_buffer_for_the_stage_it_takes_over(
     assert worker.engine._grad_flat is kept and engine_mod._KEPT == []
     worker.reset(release=False)
     worker.warm(spec, top, "gloo")
-    assert engine_mod.kept_buffers(keep=True) > 0
+    assert len(engine_mod._KEPT) == 1
     worker.reset()  # parked: gives its memory back
-    assert engine_mod.kept_buffers(keep=True) == 0
+    assert engine_mod._KEPT == []

@@ -197,8 +197,7 @@ class DurableStore(SnapshotFolder):
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        # Imported here: torch.distributed.checkpoint takes ~0.9 s to import, which every
-        # worker start (a cold replacement's included) would pay without durable snapshots.
+        # Imported where used, as in recovery/checkpoint.py (~0.9 s of every worker start).
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict_saver import (
             AsyncCheckpointerType,

@@ -17,7 +17,7 @@ import torch
 
 from parallelism.comm import Rendezvous, StageComm
 from parallelism.devices import compute_device, deterministic_cuda
-from parallelism.engine import StageEngine, kept_buffers
+from parallelism.engine import StageEngine, drop_kept_buffers
 from parallelism.schedule import build_schedule, forward_only, swapped_routes
 from parallelism.topology import Topology
 from parallelism.zero import ZeroShard
@@ -231,7 +231,7 @@ class WorkerLifecycle:
         self.generation = -1
         self.step = 0
         if release:
-            kept_buffers(keep=False)
+            drop_kept_buffers()
             release_freed_memory()
 
     def warm(
