@@ -51,13 +51,16 @@ import ctypes
 import errno
 import logging
 import os
-import queue
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import torch
+import xxhash
+
+from recovery.fingerprint import raw_bytes
 
 __all__ = ["DECLINED", "HOST", "TAKEN", "offer", "read_offer"]
 
@@ -70,8 +73,12 @@ _IOV_MAX = 1024
 """Regions per ``process_vm_readv`` call (the kernel's ``UIO_MAXIOV``)."""
 
 BATCH_BYTES = 4 << 20
-"""A read covers whole tensors of at least this many bytes together, so that the receiver
-hashes one batch while the next is copied."""
+"""A reader takes whole tensors of at least this many bytes together (a batch), so that
+the readers share the work in turn."""
+
+CHUNK_BYTES = 512 << 10
+"""A reader copies a batch this many bytes at a time and hashes each piece as it lands,
+from the cache (a core's L2 holds a piece and its hashing)."""
 
 READERS = 2
 """Helper threads reading batches at once (batch k on thread k mod READERS): one thread's
@@ -132,91 +139,81 @@ def _lost(src: int, why: str) -> ConnectionError:
     return ConnectionError(f"same-host connection to rank {src} lost: {why}")
 
 
-def read_offer(
-    made: dict[str, Any],
-    targets: Sequence[torch.Tensor],
-    src: int,
-    landed: Callable[[int], None] | None = None,
-) -> bool:
-    """The receiver's side: copy an offer's tensors into ``targets``. Returns False when
-    the copy cannot be made here (another host, or the kernel refuses cross-memory reads):
-    the tensors must then come over the process group.
+def read_offer(made: dict[str, Any], targets: Sequence[torch.Tensor], src: int) -> list[str] | None:
+    """The receiver's side: copy an offer's tensors into ``targets`` and return the digest
+    of each one's bytes as it landed (`recovery.fingerprint.digest`'s), for the caller to
+    check against the sender's. Returns None when the copy cannot be made here (another
+    host, or the kernel refuses cross-memory reads): the tensors must then come over the
+    process group.
 
-    ``landed(i)`` is called on this thread, in order, as soon as target ``i`` holds its
-    bytes, while helper threads copy the rest (the receiver hashes what landed meanwhile:
-    the copy runs in the kernel, without the GIL). Nothing is read after this returns.
+    Helper threads (`READERS`) copy batches of whole tensors in turn, `CHUNK_BYTES` at a
+    time, and hash each piece right after it lands, while it is still in the cache: both
+    run without the GIL (the copy in the kernel, XXH3 in C). Nothing is read after this
+    returns.
 
     Raises:
         ConnectionError: the sender is gone or the offer does not fit ``targets`` (a
             communication error either way, like a lost peer).
     """
     if made.get("host") != HOST or not usable():
-        return False
+        return None
     try:
         pid = int(made["pid"])
         regions = [(int(address), int(size)) for address, size in made["regions"]]
     except (KeyError, TypeError, ValueError) as err:
         raise _lost(src, f"an offer that does not decode ({err!r})") from None
     sizes = [t.numel() * t.element_size() for t in targets]
-    if pid <= 0 or [size for _, size in regions] != sizes or any(a <= 0 for a, _ in regions):
+    if pid <= 0 or [n for _, n in regions] != sizes or any(a <= 0 < n for a, n in regions):
         raise _lost(src, f"an offer of {len(regions)} regions that does not fit the state")
     staged = [
         t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
         for t in targets
     ]
     batches = _batches(regions)
-
-    def finish(batch: list[int]) -> None:
-        for i in batch:
-            if staged[i] is not targets[i]:
-                targets[i].copy_(staged[i])
-            if landed is not None:
-                landed(i)
-
-    if landed is None or len(batches) < 2:
-        for batch in batches:
-            if not _read(pid, _jobs(batch, regions, staged), src):
-                return False
-            finish(batch)
-        return True
-    done: queue.Queue[int | BaseException | None] = queue.Queue()
-    stop = threading.Event()
+    hashers = [xxhash.xxh3_64() for _ in targets]
+    digests: list[str] = [""] * len(targets)
     readers = max(1, min(READERS, len(batches)))
+    stop = threading.Event()
+    outcome: list[BaseException | None] = []  # None: the kernel refused the read
 
     def reader(first: int) -> None:
         try:
             for k in range(first, len(batches), readers):
-                if stop.is_set():
-                    return
-                if not _read(pid, _jobs(batches[k], regions, staged), src):
-                    done.put(None)  # refused: only ever on a first read
-                    return
-                done.put(k)
+                for piece in _pieces(batches[k], regions, staged, hashers):
+                    if stop.is_set():
+                        return
+                    if not _read(pid, [(a, n, dst) for a, n, dst, _ in piece], src):
+                        outcome.append(None)  # refused: only ever on a first read
+                        stop.set()
+                        return
+                    for *_, hashing in piece:
+                        hashing()
+                for i in batches[k]:
+                    digests[i] = hashers[i].hexdigest()
         except BaseException as exc:
-            done.put(exc)
+            outcome.append(exc)
+            stop.set()
 
     threads = [
         threading.Thread(target=reader, args=(first,), name="checkfree-same-host", daemon=True)
         for first in range(readers)
     ]
-    for thread in threads:
-        thread.start()
     try:
-        arrived: set[int] = set()
-        for next_k in range(len(batches)):
-            while next_k not in arrived:  # the readers land batches out of order
-                k = done.get()
-                if k is None:
-                    return False
-                if isinstance(k, BaseException):
-                    raise k
-                arrived.add(k)
-            finish(batches[next_k])
-    finally:
-        stop.set()
         for thread in threads:
-            thread.join()
-    return True
+            thread.start()
+    finally:
+        for thread in threads:
+            if thread.ident is not None:
+                thread.join()
+    for failed in outcome:
+        if failed is not None:
+            raise failed
+    if outcome:
+        return None
+    for target, landed in zip(targets, staged, strict=True):
+        if landed is not target:
+            target.copy_(landed)
+    return digests
 
 
 def _batches(regions: Sequence[tuple[int, int]]) -> list[list[int]]:
@@ -233,10 +230,30 @@ def _batches(regions: Sequence[tuple[int, int]]) -> list[list[int]]:
     return [b for b in batches if b]
 
 
-def _jobs(
-    batch: list[int], regions: Sequence[tuple[int, int]], staged: Sequence[torch.Tensor]
-) -> list[tuple[int, int, int]]:
-    return [(regions[i][0], regions[i][1], staged[i].data_ptr()) for i in batch if regions[i][1]]
+def _pieces(
+    batch: list[int],
+    regions: Sequence[tuple[int, int]],
+    staged: Sequence[torch.Tensor],
+    hashers: Sequence[Any],
+) -> Iterator[list[tuple[int, int, int, Callable[[], None]]]]:
+    """A batch's reads, in order, in pieces of at most `CHUNK_BYTES` (small tensors
+    together, a large one in several): ``(remote address, size, local address, hash
+    what landed)`` per region."""
+    piece: list[tuple[int, int, int, Callable[[], None]]] = []
+    size = 0
+    for i in batch:
+        address, total = regions[i]
+        local, view = staged[i].data_ptr(), raw_bytes(staged[i])
+        for offset in range(0, total, CHUNK_BYTES):
+            n = min(CHUNK_BYTES, total - offset)
+            if piece and (size + n > CHUNK_BYTES or len(piece) >= _IOV_MAX):
+                yield piece
+                piece, size = [], 0
+            hashing = partial(hashers[i].update, view[offset : offset + n])
+            piece.append((address + offset, n, local + offset, hashing))
+            size += n
+    if piece:
+        yield piece
 
 
 def _read(pid: int, jobs: list[tuple[int, int, int]], src: int) -> bool:

@@ -19,10 +19,26 @@ runtime retries from another source -- another live replica, or the next tier of
 recovery hierarchy (recovery/runtime/executor.py). Peer snapshots carry the digests they
 were packed with the same way (`recovery.snapshots.packing`). ``flip`` on the sending side
 is the injected fault: a bit flipped in flight, after the digests were taken.
+
+[Note: digests taken ahead]
+Hashing the sender's state is a third of a same-host transfer's work, and on a small
+host it competes with the receiver's copy for the same cores. But a survivor whose stage
+lost a replica is idle for a while before anyone asks for its state -- while the
+replacement starts, joins and forms the next generation -- and its state, the last
+committed step's, does not change meanwhile. So `recovery.worker.StageWorker.prepare_recovery`
+starts hashing it then, on a helper thread (XXH3 runs without the GIL), and `send_state`
+takes those digests (`DigestsAhead`) instead of hashing again -- if they still describe
+what it sends: the same tensors, at the same addresses, none written since (torch counts
+every in-place write in a tensor's ``_version``), else it hashes afresh. A receive that
+writes a worker's tensors behind torch's back (a process-group receive, a same-host
+copy) drops them too. And a stale digest could never pass bad bytes: the receiver
+hashes what it got, so a digest that no longer matches the sender's bytes fails the
+check and the transfer is retried, like a corruption.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -127,6 +143,47 @@ def _digests(names: list[str], tensors: list[torch.Tensor]) -> list[list[str]]:
     return [[n, digest(t)] for n, t in zip(names, tensors, strict=True)]
 
 
+def _key(names: list[str], tensors: list[torch.Tensor]) -> list[tuple[str, int, int, int]]:
+    """What `DigestsAhead` holds its digests valid for: each tensor's name, address, size
+    and count of in-place writes."""
+    return [
+        (n, t.data_ptr(), t.numel() * t.element_size(), t._version)
+        for n, t in zip(names, tensors, strict=True)
+    ]
+
+
+@dataclass
+class DigestsAhead:
+    """The digests of a worker's state, taken on a helper thread before anyone asked for
+    them (see [Note: digests taken ahead]). `start` them; `send_state` takes them."""
+
+    key: list[tuple[str, int, int, int]]
+    thread: threading.Thread
+    digests: list[list[str]]
+
+    @classmethod
+    def start(cls, module: nn.Module, optimizer: torch.optim.Optimizer) -> DigestsAhead:
+        _, tensors, names = _describe(module, optimizer, 0)
+        digests: list[list[str]] = []
+        thread = threading.Thread(
+            target=lambda: digests.extend(_digests(names, tensors)),
+            name="checkfree-digests",
+            daemon=True,
+        )
+        thread.start()
+        return cls(_key(names, tensors), thread, digests)
+
+    def take(self, names: list[str], tensors: list[torch.Tensor]) -> list[list[str]] | None:
+        """The digests of ``tensors``, if these still are what they describe (None: hash
+        them afresh)."""
+        if _key(names, tensors) != self.key:
+            return None
+        self.thread.join()
+        if len(self.digests) != len(tensors):  # the helper failed
+            return None
+        return self.digests
+
+
 def _outgoing(
     tensors: list[torch.Tensor], names: list[str], flip: int | None
 ) -> list[torch.Tensor]:
@@ -178,6 +235,7 @@ def send_state(
     wait: bool = True,
     flip: int | None = None,
     local: bool = True,
+    ahead: DigestsAhead | None = None,
 ) -> int:
     """Send this worker's full state to global rank ``dst``. Returns the bytes sent.
 
@@ -188,10 +246,12 @@ def send_state(
     ``flip`` (a seed) injects a bit flipped in flight after they were taken. A
     destination on this host copies the tensors straight out of this process's memory
     (``local``, and only with ``wait``: see [Note: same-host transfer] in
-    recovery/same_host.py).
+    recovery/same_host.py). ``ahead``: the digests, if taken already (see [Note: digests
+    taken ahead]).
     """
     meta, tensors, names = _describe(module, optimizer, step)
     meta["extra"] = extra or {}
+    digests = ahead.take(names, tensors) if ahead is not None else None
     outgoing = _outgoing(tensors, names, flip)
     nbytes = sum(t.numel() * t.element_size() for t in outgoing)
     made = same_host.offer(outgoing) if wait and local and comm.backend == "gloo" else None
@@ -200,13 +260,13 @@ def send_state(
         # while it copies (see [Note: same-host transfer] in recovery/same_host.py).
         meta["same_host"] = made
         header = send_header(comm, dst, meta)
-        header += send_header(comm, dst, _digests(names, tensors))
+        header += send_header(comm, dst, digests or _digests(names, tensors))
         answer = comm.recv(torch.zeros(1, dtype=torch.int64), dst)
         if int(answer) == same_host.TAKEN:  # copied out of our memory: nothing to send
             comm.wait_sends()
             return int(header + nbytes)
     else:
-        meta["digests"] = _digests(names, tensors)
+        meta["digests"] = digests or _digests(names, tensors)
         header = send_header(comm, dst, meta)
     for t in outgoing:
         comm.isend(t.detach(), dst)
@@ -269,14 +329,13 @@ def _receive(comm: StageComm, src: int, meta: dict[str, Any], targets: list[torc
         return 0
     if not isinstance(made, dict):
         raise GarbledMessage(f"a state description from rank {src} with a bad offer")
-    got: list[str] = []  # hashed here as they land, while the rest is copied
-    taken = same_host.read_offer(made, targets, src, lambda i: got.append(digest(targets[i])))
+    got = same_host.read_offer(made, targets, src)  # hashed as they land
     meta["digests"], size = recv_header(comm, src)
-    comm.isend(torch.tensor([same_host.TAKEN if taken else same_host.DECLINED]), src)
+    comm.isend(torch.tensor([same_host.DECLINED if got is None else same_host.TAKEN]), src)
     comm.wait_sends()
-    if not taken:
+    if got is None:
         comm.recv_many(targets, src)
-    _check(meta, targets, src, comm.rank, got if taken else None)
+    _check(meta, targets, src, comm.rank, got)
     return size
 
 

@@ -181,10 +181,10 @@ def test_a_survivor_that_does_not_answer_the_recovery_is_killed_and_replaced(
     stuck = top.rank(1, 1)
     real = StageWorker.prepare_recovery
 
-    def prepare(self: StageWorker):  # type: ignore[no-untyped-def]
+    def prepare(self: StageWorker, *args):  # type: ignore[no-untyped-def]
         if self.rank == stuck:
             time.sleep(3.0)
-        return real(self)
+        return real(self, *args)
 
     monkeypatch.setattr(StageWorker, "prepare_recovery", prepare)
     policy = RecoveryPolicy(timeouts=Timeouts(control=0.5))  # type: ignore[arg-type]

@@ -18,14 +18,16 @@ import pytest
 import torch
 
 from parallelism import Topology
-from recovery import same_host
+from recovery import same_host, transfer
+from recovery.errors import TransferCorrupted
+from recovery.fingerprint import digest
 from recovery.runtime import Phase
-from recovery.transfer import recv_state, send_state
+from recovery.transfer import DigestsAhead, recv_state, send_state
 from recovery.worker.reports import is_comm_error
 from tests.jobs import drive, in_threads, make
 from tests.test_comm import _pair
 from tests.test_controller import assert_equal_states
-from tests.test_reentrant import SOURCE, TOP, once, run
+from tests.test_reentrant import FIRST, SOURCE, TOP, once, run
 from tests.workloads import mlp_spec
 
 pytestmark = pytest.mark.skipif(
@@ -79,9 +81,10 @@ def taken(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
     answers: list[bool] = []
     real = same_host.read_offer
 
-    def spy(*args: Any, **kwargs: Any) -> bool:
-        answers.append(real(*args, **kwargs))
-        return answers[-1]
+    def spy(*args: Any, **kwargs: Any) -> list[str] | None:
+        got = real(*args, **kwargs)
+        answers.append(got is not None)
+        return got
 
     monkeypatch.setattr(same_host, "read_offer", spy)
     yield answers
@@ -189,7 +192,8 @@ def test_a_read_resumes_after_short_reads(monkeypatch: pytest.MonkeyPatch) -> No
     sources = [torch.randn(1000), torch.randn(7), torch.arange(300, dtype=torch.int64)]
     targets = [torch.empty_like(t) for t in sources]
     made = same_host.offer(sources)
-    assert made is not None and same_host.read_offer(made, targets, src=0)
+    assert made is not None
+    assert same_host.read_offer(made, targets, src=0) == [digest(t) for t in sources]
     assert len(calls) > 3
     assert all(torch.equal(a, b) for a, b in zip(sources, targets, strict=True))
 
@@ -198,42 +202,50 @@ def _helpers() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name == "checkfree-same-host"]
 
 
-def test_each_tensor_is_handed_over_as_it_lands_while_the_rest_is_read(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("chunk", [8, 1 << 20])
+def test_each_tensor_is_hashed_piece_by_piece_as_it_lands(
+    chunk: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The receiver hashes what landed while a helper thread reads the rest: ``landed(i)``
-    comes in order, once target ``i`` holds its bytes, and nothing is read after the call
-    returns (the helper is gone)."""
+    """Readers copy in pieces (a tensor in several, or several tensors in one) and hash
+    each as it lands: the digests are `digest`'s of the whole tensors, a non-contiguous
+    target gets its bytes, and nothing is read after the call returns (the helpers are
+    gone)."""
     monkeypatch.setattr(same_host, "BATCH_BYTES", 1)  # a batch per tensor
-    sources = [torch.randn(1000), torch.randn(7), torch.randn(3, 5).t(), torch.arange(300)]
+    monkeypatch.setattr(same_host, "CHUNK_BYTES", chunk)
+    sources = [
+        torch.randn(1000),
+        torch.randn(7).bfloat16(),
+        torch.randn(3, 5).t(),
+        torch.arange(300),
+        torch.empty(0),
+        torch.tensor(2.5),
+    ]
     offered = [t.contiguous() for t in sources]
     targets = [torch.empty(3, 5).t() if t.dim() == 2 else torch.empty_like(t) for t in sources]
     made = same_host.offer(offered)
     assert made is not None
-    seen: list[tuple[int, bool]] = []
-
-    def landed(i: int) -> None:
-        seen.append((i, torch.equal(targets[i], sources[i])))
-
-    assert same_host.read_offer(made, targets, src=0, landed=landed)
-    assert seen == [(i, True) for i in range(len(sources))]
+    got = same_host.read_offer(made, targets, src=0)
+    assert got == [digest(t) for t in sources]
+    assert all(torch.equal(a, b) for a, b in zip(sources, targets, strict=True))
     assert _helpers() == []
 
 
 def test_a_sender_lost_in_the_middle_of_a_pipelined_read_is_a_communication_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A failure after some tensors landed raises on the receiver's thread, and the
-    helper thread is gone before it does (nothing writes into the targets afterwards).
-    With one reader, so that which tensors landed first is fixed."""
+    """A failure after some pieces landed raises on the receiver's thread, and the helper
+    threads are gone before it does (nothing writes into the targets afterwards)."""
     monkeypatch.setattr(same_host, "BATCH_BYTES", 1)
-    monkeypatch.setattr(same_host, "READERS", 1)
+    monkeypatch.setattr(same_host, "CHUNK_BYTES", 64)
     real = same_host._READV
+    lock = threading.Lock()
     calls = []
 
     def gone_after_two(*args: Any) -> int:
-        calls.append(1)
-        if len(calls) > 2:
+        with lock:
+            calls.append(1)
+            count = len(calls)
+        if count > 2:
             ctypes.set_errno(errno.ESRCH)
             return -1
         return int(real(*args))
@@ -242,20 +254,19 @@ def test_a_sender_lost_in_the_middle_of_a_pipelined_read_is_a_communication_erro
     sources = [torch.randn(100) for _ in range(5)]
     made = same_host.offer(sources)
     assert made is not None
-    landed: list[int] = []
     with pytest.raises(ConnectionError) as err:
-        same_host.read_offer(made, [torch.empty(100) for _ in sources], 4, landed.append)
+        same_host.read_offer(made, [torch.empty(100) for _ in sources], 4)
     assert is_comm_error(err.value) and "rank 4" in str(err.value)
-    assert landed == [0, 1] and _helpers() == []
+    assert _helpers() == []
 
 
 @pytest.mark.parametrize("fail_at", [None, 7])
-def test_several_readers_hand_tensors_over_in_order(
+def test_several_readers_land_batches_out_of_order(
     fail_at: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Readers take batches in turn and land them out of order; ``landed`` still comes in
-    order, each tensor holding its bytes. A read failing on one reader raises here after
-    the tensors before it landed, and every reader is gone when it does."""
+    """Readers take batches in turn and land them out of order; every digest is still
+    its own tensor's. A read failing on one reader raises here, and every reader is gone
+    when it does."""
     monkeypatch.setattr(same_host, "BATCH_BYTES", 1)
     monkeypatch.setattr(same_host, "READERS", 3)
     real = same_host._READV
@@ -278,18 +289,12 @@ def test_several_readers_hand_tensors_over_in_order(
     targets = [torch.empty_like(t) for t in sources]
     made = same_host.offer(sources)
     assert made is not None
-    seen: list[tuple[int, bool]] = []
-
-    def landed(i: int) -> None:
-        seen.append((i, torch.equal(targets[i], sources[i])))
-
     if fail_at is None:
-        assert same_host.read_offer(made, targets, 0, landed)
-        assert seen == [(i, True) for i in range(len(sources))]
+        assert same_host.read_offer(made, targets, 0) == [digest(t) for t in sources]
+        assert all(torch.equal(a, b) for a, b in zip(sources, targets, strict=True))
     else:
         with pytest.raises(ConnectionError):
-            same_host.read_offer(made, targets, 2, landed)
-        assert seen == [(i, True) for i in range(len(seen))] and len(seen) < len(sources)
+            same_host.read_offer(made, targets, 2)
     assert _helpers() == []
 
 
@@ -305,17 +310,17 @@ def test_a_pipelined_read_the_kernel_refuses_falls_back(monkeypatch: pytest.Monk
     sources = [torch.randn(100) for _ in range(3)]
     made = same_host.offer(sources)
     assert made is not None
-    landed: list[int] = []
-    assert not same_host.read_offer(made, [torch.empty(100) for _ in sources], 0, landed.append)
-    assert landed == [] and _helpers() == []
+    assert same_host.read_offer(made, [torch.empty(100) for _ in sources], 0) is None
+    assert _helpers() == []
 
 
 def test_a_transfer_in_batches_gives_the_same_bits_as_gloo(
     taken: list[bool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Through send_state/recv_state with every tensor a batch of its own: the digests
-    taken as tensors land and the ones that follow the offer check the same bits."""
+    """Through send_state/recv_state with every tensor a batch of its own, read in small
+    pieces: the digests taken as they land and the sender's check the same bits."""
     monkeypatch.setattr(same_host, "BATCH_BYTES", 1)
+    monkeypatch.setattr(same_host, "CHUNK_BYTES", 100)
     by_memory = _transfer(local=True)
     assert taken == [True]
     _assert_same(by_memory, _transfer(local=False))
@@ -336,3 +341,90 @@ def test_a_source_killed_mid_transfer_is_retried_and_the_job_ends_exact(
     drive(oracle)
     assert_equal_states(controller.final_states, oracle.final_states)  # type: ignore[attr-defined]
     assert (set(shm.iterdir()) if shm.is_dir() else set()) <= before
+
+
+def _send_with(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, ahead: DigestsAhead, local: bool
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
+    comms = _pair(Topology(2, 1))
+    other, other_opt = _blank()
+    try:
+        results = in_threads(
+            [
+                lambda: send_state(comms[0], 1, module, optimizer, 7, local=local, ahead=ahead),
+                lambda: recv_state(comms[1], 0, other, other_opt),
+            ]
+        )
+    finally:
+        for comm in comms:
+            comm.close()
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return other, other_opt, 0
+
+
+@pytest.fixture
+def hashed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many tensors the sender hashed (outside `DigestsAhead`'s helper thread)."""
+    counts: list[int] = []
+    real = transfer._digests
+
+    def spy(names: list[str], tensors: list[torch.Tensor]) -> list[list[str]]:
+        if threading.current_thread().name != "checkfree-digests":
+            counts.append(len(tensors))
+        return real(names, tensors)
+
+    monkeypatch.setattr(transfer, "_digests", spy)
+    return counts
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_digests_taken_ahead_are_sent_while_the_state_is_unchanged(
+    local: bool, hashed: list[int]
+) -> None:
+    """[Note: digests taken ahead]: what a survivor hashed while it waited is sent as is."""
+    module, optimizer = _state(0)
+    ahead = DigestsAhead.start(module, optimizer)
+    received = _send_with(module, optimizer, ahead, local)
+    assert hashed == []
+    _assert_same(received, (*_state(0), 0))
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_digests_taken_before_a_write_are_not_used(local: bool, hashed: list[int]) -> None:
+    """An in-place write after the digests were taken (torch counts it): the sender hashes
+    afresh and the state arrives intact."""
+    module, optimizer = _state(0)
+    ahead = DigestsAhead.start(module, optimizer)
+    ahead.thread.join()
+    with torch.no_grad():
+        next(module.parameters()).add_(1.0)
+    received = _send_with(module, optimizer, ahead, local)
+    assert len(hashed) == 1
+    _assert_same(received, (module, optimizer, 0))
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_a_stale_digest_cannot_pass_bytes_that_changed(local: bool) -> None:
+    """A write torch does not count (here through numpy) leaves the digests taken ahead
+    stale: the receiver's check refuses the bytes rather than trusting them."""
+    module, optimizer = _state(0)
+    ahead = DigestsAhead.start(module, optimizer)
+    ahead.thread.join()
+    next(module.parameters()).detach().numpy()[0] += 1.0
+    with pytest.raises(TransferCorrupted):
+        _send_with(module, optimizer, ahead, local)
+
+
+def test_a_recovery_sends_the_digests_its_source_took_while_it_waited(hashed: list[int]) -> None:
+    """In a job: the survivors of the stage that lost a replica hash their state in
+    ``prepare_recovery``; the source sends those digests, and the job ends bit-identical
+    to one that never failed."""
+    controller, _ = make(mlp_spec(), TOP, FIRST, nodes=3)
+    drive(controller)
+    assert controller.phase is Phase.FINISHED, controller.error
+    assert controller.events and hashed == []  # no send hashed on its own
+    oracle, _ = make(mlp_spec(), TOP)
+    drive(oracle)
+    assert_equal_states(controller.final_states, oracle.final_states)  # type: ignore[attr-defined]

@@ -105,8 +105,12 @@ class Membership:
         """
         self.group.kill(lost)
         survivors = [r for r in self.group.ranks() if r not in lost]
+        short = {self.topology.worker(r).stage for r in lost}  # their replicas may be asked
         prepared = self.group.call(
-            "prepare_recovery", survivors, timeout=self.policy.timeouts.control
+            "prepare_recovery",
+            survivors,
+            lambda r: (self.topology.worker(r).stage in short,),
+            timeout=self.policy.timeouts.control,
         )
         self.group.kill(prepared.lost)
         lost = lost | set(prepared.lost)

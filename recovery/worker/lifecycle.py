@@ -23,6 +23,7 @@ from parallelism.topology import Topology
 from parallelism.zero import ZeroShard
 from recovery.spec import TrainSpec
 from recovery.strategies.checkfree import CheckFreeConfig
+from recovery.transfer import DigestsAhead
 from recovery.worker.callbacks import guard_callbacks
 from recovery.worker.keeper import SnapshotKeeper
 from recovery.worker.memory import keep_freed_memory, release_freed_memory
@@ -63,6 +64,9 @@ class WorkerLifecycle:
         self.flip_in_flight: int | None = None
         """An injected `recovery.faults.BitFlip` with ``in_flight``: the seed of the bit
         to flip in the next state this worker sends (see [Note: checked transfers])."""
+        self.digests_ahead: DigestsAhead | None = None
+        """The digests of this worker's state, taken after a failure in case it is asked
+        for it (see [Note: digests taken ahead] in recovery/transfer.py)."""
 
     # -- identity ------------------------------------------------------------------------
 

@@ -132,6 +132,7 @@ class Snapshotting(WorkerLifecycle):
 
     def _rolled_back(self, step: int) -> None:
         """After restoring the state of ``step``: forget everything newer (another timeline)."""
+        self.digests_ahead = None
         self.snapshots.peer.discard_after(step)
         if self.rebuilt_at is not None and self.rebuilt_at > step:
             self.rebuilt_at = self.checkfree = None

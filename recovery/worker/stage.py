@@ -61,6 +61,7 @@ from parallelism.seeding import seed_everything
 from recovery.faults import BitFlip, Corrupt, Fault, Kill, KillPoint, WorkerFault
 from recovery.fingerprint import fingerprint, flip_bit
 from recovery.spec import BatchFn, apply_lr_schedule
+from recovery.transfer import DigestsAhead
 from recovery.worker.reports import StepReport, is_comm_error
 from recovery.worker.snapshots import Snapshotting
 from recovery.worker.transfers import StateTransfer
@@ -380,13 +381,17 @@ class StageWorker(Snapshotting, StateTransfer):
         if comm is not None:
             comm.close()
 
-    def prepare_recovery(self) -> StepReport:
+    def prepare_recovery(self, source: bool = False) -> StepReport:
         """Abandon the uncommitted step and leave the generation.
 
-        Returns the committed step and what redundancy this worker holds (peer snapshots,
-        finished durable writes), for the planner.
+        ``source``: this worker's stage lost a replica, so it may be asked for its state;
+        its digests are taken meanwhile (see [Note: digests taken ahead] in
+        recovery/transfer.py). Returns the committed step and what redundancy this worker
+        holds (peer snapshots, finished durable writes), for the planner.
         """
         self._drop_step()
         self._faults = []
         self.leave()
+        if source and self.spec is not None:
+            self.digests_ahead = DigestsAhead.start(self.module, self.optimizer)
         return self.flush_snapshots()  # let durable writes in flight land before anyone prunes

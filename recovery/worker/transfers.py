@@ -46,6 +46,7 @@ class StateTransfer(WorkerLifecycle):
         """Send this worker's state to each rank in ``dsts``, in turn. Returns bytes sent."""
         assert self.comm is not None
         extra = {"rebuilt_at": self.rebuilt_at, "checkfree": self.checkfree}
+        ahead, self.digests_ahead = self.digests_ahead, None
         return sum(
             send_state(
                 self.comm,
@@ -55,6 +56,7 @@ class StateTransfer(WorkerLifecycle):
                 self.step,
                 extra,
                 flip=self._take_flip(),
+                ahead=ahead,
             )
             for dst in dsts
         )
@@ -63,6 +65,7 @@ class StateTransfer(WorkerLifecycle):
         """Become a copy of rank ``src``'s state. Returns ``(step, bytes received, what
         arrived corrupted)``; on a corruption this worker holds nothing trustworthy."""
         assert self.comm is not None
+        self.digests_ahead = None  # written behind torch's back (see [Note: digests taken ahead])
         try:
             self.step, received, extra = recv_state(self.comm, src, self.module, self.optimizer)
         except TransferCorrupted as exc:
@@ -76,6 +79,7 @@ class StateTransfer(WorkerLifecycle):
     def sync_params(self) -> None:
         """Every parameter from its owner (ZeRO-1; a collective over the stage group)."""
         if self.zero is not None:
+            self.digests_ahead = None
             self.zero.sync(self.comm)
 
     def send_mirror(self, dst: int) -> int:
@@ -91,6 +95,7 @@ class StateTransfer(WorkerLifecycle):
         what arrived corrupted)``."""
         assert self.comm is not None and self.zero is not None
         self.zero.synced = False
+        self.digests_ahead = None
         try:
             self.step, received, _ = recv_state(self.comm, src, self.zero.owned, self.optimizer)
         except TransferCorrupted as exc:
