@@ -39,7 +39,9 @@ passed on): those that saw "all ready" applied the step, the others hold their r
 gradients and report it (``held``) -- and since a complete vote needed every flag,
 "all ready" was true. The controller then rolls the holders forward (``commit``) before
 anyone leaves, so every survivor has the step; a vote that completed nowhere leaves the
-step uncommitted everywhere, as a failure before a two-phase commit does. No survivor
+step uncommitted everywhere, as a failure before a two-phase commit does. That includes a
+vote that completed only on a worker that then died: its last bytes of the all-gather
+can die with its sockets, and its commit with it. No survivor
 can be further apart: committing the next step needs the holder's vote on it.
 """
 
