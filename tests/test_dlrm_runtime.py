@@ -89,7 +89,10 @@ def test_partial_recovery_rewrites_only_the_lost_shard() -> None:
     """Killed after the last commit, so the final state is the recovery's own work: the
     survivors are untouched, the lost shard's rows are exact or equal to the last full
     mirror (after 4 steps), and nobody rolled back."""
-    result = fit(HOT_ONLY, Kill(step=STEPS - 1, stage=0, replica=1, at=KillPoint.AFTER_COMMIT))
+    for _ in range(3):  # the vote can die with the worker, when the step is run again
+        result = fit(HOT_ONLY, Kill(step=STEPS - 1, stage=0, replica=1, at=KillPoint.AFTER_COMMIT))
+        if result.events[0].step == STEPS:  # (see test_controller's test of each kill point)
+            break
     now, then = oracle(STEPS), oracle(4)
     for r in (0, 2, 3):
         for key, value in model(now, r).items():
