@@ -14,19 +14,18 @@ What arrives is checked against the sender's digests either way ([Note: checked
 transfers] in recovery/transfer.py).
 
 Hashing is a third of the work (XXH3 runs at ~28 GB/s on one core, the cross-memory copy
-at ~9), so it is taken off the copy's path on both sides: the sender sends its offer
-first and its digests after, hashing while the receiver copies; the receiver reads in
-batches of whole tensors (`BATCH_BYTES`) on helper threads (`READERS`, batches in turn)
--- the copy runs in the kernel, without the GIL -- and hashes each batch, in order, as it
-lands. Measured on the 2-core machine, a 315 MB state (the 100 MB 1x2 job's weights and
-AdamW moments): the receiver waited 14 ms for the description (the sender's hashing) and
-then read and hashed for 47-50 ms, one after the other; overlapped, the transfer phase
-takes 52-62 ms. One thread's ``process_vm_readv`` of 315 MB ran at 4.4-4.8 GB/s, two
-threads' at 7.1-8.1 GB/s, a memcpy at 7.1 GB/s in the same minute; the warm-spare
-transfer phase of the 100 MB job went from 76-78 ms to 69-73 ms (two alternating runs each).
-There the two cores are the limit: the sender's hashing (~25 ms of a core), the reads and
-the receiver's hashing (~25 ms) share them, so the phase cannot fall much below half their
-sum however many readers there are.
+at ~9), so it is taken off the copy's path on both sides. The sender's digests are
+usually ready before anyone asks: a survivor hashes its state while the replacement
+starts ([Note: digests taken ahead] in recovery/transfer.py), and otherwise it sends its
+offer first and its digests after, hashing while the receiver copies. The receiver reads
+on helper threads (`READERS`, batches of whole tensors in turn) -- the copy runs in the
+kernel, without the GIL -- `CHUNK_BYTES` at a time, and hashes each piece right after it
+lands, while it is still in the cache, instead of reading a batch out to memory and back.
+Measured on the 2-core machine, a 315 MB state (the 100 MB 1x2 job's weights and AdamW
+moments): the receiver spent ~72 ms of CPU in the kernel's copy and ~28 ms hashing, on
+two threads, ~59 ms of wall time, with no page faults; the warm-spare transfer phase of
+the 100 MB job went from 69-91 ms to 53-71 ms (alternating runs). The two cores are the
+limit: the copy and the hashing share them with everything else the host runs.
 
 Why not a shared-memory file: one (``memfd``) written by the sender and mapped by the
 receiver costs two copies and a page fault per page on each side; measured on the 2-core
