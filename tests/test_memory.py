@@ -6,6 +6,8 @@ malloc's settings are process-wide."""
 from __future__ import annotations
 
 import contextlib
+import os
+import platform
 import subprocess
 import sys
 import threading
@@ -119,3 +121,86 @@ def test_a_ray_workers_steady_steps_fault_in_almost_no_fresh_pages() -> None:
     (s0, before), (s1, after) = counts
     per_step = [(b - a) / (s1 - s0) for a, b in zip(before, after, strict=True)]
     assert max(per_step) < 50, per_step
+
+
+# -- huge pages ([Note: huge pages for a worker's heap]) -----------------------------------
+
+
+def test_the_huge_page_tunable_is_added_to_the_callers_and_can_be_turned_off() -> None:
+    assert memory.huge_page_env({}) == {"GLIBC_TUNABLES": memory.HUGE_PAGES}
+    mine = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
+    assert memory.huge_page_env(mine) == {
+        "GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{memory.HUGE_PAGES}"
+    }
+    assert memory.huge_page_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) == {}
+    assert memory.huge_page_env({"CHECKFREE_HUGE_PAGES": "0"}) == {}
+
+
+def _thp_for_madvised_memory() -> bool:
+    with contextlib.suppress(OSError):
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(encoding="ascii")
+        return "[never]" not in mode
+    return False
+
+
+_HUGE_PROBE = """
+import torch
+state = [torch.empty(16 << 20, dtype=torch.uint8).fill_(1) for _ in range(4)]
+for line in open("/proc/self/smaps_rollup"):
+    if line.startswith("AnonHugePages:"):
+        print(int(line.split()[1]) << 10)
+"""
+
+
+@pytest.mark.skipif(not _thp_for_madvised_memory(), reason="transparent huge pages are off")
+@pytest.mark.skipif(
+    tuple(int(p) for p in (platform.libc_ver()[1] or "0.0").split(".")[:2]) < (2, 35),
+    reason="glibc.malloc.hugetlb needs glibc 2.35",
+)
+def test_a_process_started_with_it_holds_its_heap_in_huge_pages() -> None:
+    def huge_bytes(env: dict[str, str]) -> int:
+        out = subprocess.run(
+            [sys.executable, "-c", _HUGE_PROBE],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"} | env,
+        )
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout)
+
+    assert huge_bytes(memory.huge_page_env({})) >= 32 << 20  # of the 64 MB allocated
+    if "[madvise]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
+        assert huge_bytes({}) == 0  # what it is for: the heap never asks by itself
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+@pytest.mark.ray
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_started_ahead_get_the_tunable_and_a_recoverys_replacement_does_not() -> None:
+    """Huge pages fault in fresh more slowly than small ones on some hosts, so a worker
+    started on a recovery's critical path keeps malloc's default."""
+    from recovery.pool import POOL
+    from recovery.runtime.ray_group import RayWorkerGroup
+    from tests.workloads import EchoWorker
+
+    POOL.clear()  # workers parked by earlier tests keep what they were started with
+    group = RayWorkerGroup(EchoWorker)
+    node = group.nodes()[0]
+    try:
+        group.start({0: node, 1: node}, timeout=60, parked=True)  # the job's start
+        group.add_spares([node], lambda: ("echo", (0,)))
+        group.await_spares(60)
+        group.start({1: node}, timeout=60)  # a replacement in a recovery, no spare taken
+        tunables = {r: _environ(group.info(r).pid).get("GLIBC_TUNABLES", "") for r in (0, 1)}
+        assert memory.HUGE_PAGES in tunables[0].split(":")
+        assert memory.HUGE_PAGES not in tunables[1].split(":")
+        group.start({1: node}, timeout=60, spares=True)  # this one takes the spare
+        assert memory.HUGE_PAGES in _environ(group.info(1).pid)["GLIBC_TUNABLES"].split(":")
+    finally:
+        group.shutdown(clean=False)

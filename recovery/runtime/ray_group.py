@@ -47,6 +47,7 @@ from recovery.runtime.group import (
     seconds,
 )
 from recovery.worker import StageWorker, WorkerInfo
+from recovery.worker.memory import huge_page_env
 
 __all__ = ["RayWorkerGroup"]
 
@@ -169,12 +170,20 @@ class RayWorkerGroup(WorkerGroup):
             tuple(sorted(self.options.items())),
         )
 
-    def _new_actor(self, node_id: str) -> Any:
+    def _new_actor(self, node_id: str, *, ahead: bool) -> Any:
+        """A new worker actor on ``node_id``. ``ahead``: started before it is needed (at
+        the job's start, or as a spare), when it gets huge pages (see [Note: huge pages
+        for a worker's heap]); a replacement started in a recovery does not."""
         # With a GPU (or a share of one) asked for, Ray sets CUDA_VISIBLE_DEVICES: the
         # worker's GPU is cuda:0.
         options: dict[str, Any] = {"max_restarts": 0, "max_task_retries": 0}
         options.update(actor_options(self.ask))
         options.update(self.options)
+        env = huge_page_env() if ahead else {}
+        if env:
+            runtime_env = dict(options.get("runtime_env") or {})
+            runtime_env["env_vars"] = {**env, **(runtime_env.get("env_vars") or {})}
+            options["runtime_env"] = runtime_env
         if node_id:
             # Hard affinity: a dead node fails the actor at once (ActorUnschedulableError, a
             # lost worker); a full one makes it wait for room (see [Note: waiting for room]).
@@ -203,7 +212,7 @@ class RayWorkerGroup(WorkerGroup):
             if actor is None and parked:
                 actor = POOL.take(node, self._pool_key)
             if actor is None:
-                actor = self._new_actor(node)
+                actor = self._new_actor(node, ahead=parked)
             else:
                 warm.add(rank)
             actors[rank] = actor
@@ -211,7 +220,7 @@ class RayWorkerGroup(WorkerGroup):
         stale = {r for r in infos.lost if r in warm}
         if stale:  # parked actors or spares that died meanwhile: start fresh ones instead
             for rank in stale:
-                actors[rank] = self._new_actor(placement[rank])
+                actors[rank] = self._new_actor(placement[rank], ahead=parked)
                 warm.discard(rank)
             more = self._ask_info({r: actors[r] for r in stale}, timeout, place_timeout, placement)
             for rank in stale:
@@ -316,7 +325,7 @@ class RayWorkerGroup(WorkerGroup):
         self, nodes: Sequence[str], warm: Callable[[], tuple[str, tuple[Any, ...]]]
     ) -> None:
         for node in nodes:
-            actor = POOL.take(node, self._pool_key) or self._new_actor(node)
+            actor = POOL.take(node, self._pool_key) or self._new_actor(node, ahead=True)
             method, args = warm()
             self._warming[id(actor)] = getattr(actor, method).remote(*args)
             self._spares.append((actor, node))
