@@ -4,7 +4,8 @@ A generation is one membership epoch: a fixed set of live workers with fresh pro
 groups formed on a fresh key prefix of the controller's store. `StageComm` builds the
 groups of one worker -- the world group (point-to-point inside a pipeline, state
 transfer between any two workers) and its stage group (gradient all-reduce across the
-replicas of its stage) -- and tears them down with `close`. Process-group objects are
+replicas of its stage), plus the commit vote's TCP mesh (`parallelism.mesh`) -- and tears
+them down with `close`. Process-group objects are
 constructed directly rather than through ``torch.distributed.init_process_group`` so that
 no global state survives a generation: closing one and forming the next is just dropping
 objects, and a test can run several workers' groups in one process.
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from parallelism.devices import wire_device
+from parallelism.mesh import Mesh
 from parallelism.progress import Progress, progress_for
 from parallelism.topology import Topology
 
@@ -592,11 +594,26 @@ class StageComm:
             if backend == "gloo" or side_group
             else None
         )
+        self._mesh: Mesh | None = None
+        self._collective_timeout = collective
         self._pending: list[tuple[dist.Work, torch.Tensor, int]] = []
         self._blocked_on: int | None = None
         # NCCL's waits are queued on the GPU: what they wait for is known from events
         # (parallelism/progress.py); Gloo's block the calling thread.
         self._queued: Progress = progress_for(self.wire) if backend == "nccl" else Progress()
+        # The commit vote's own sockets, formed last: every peer is past its Gloo groups.
+        try:
+            self._mesh = Mesh(
+                dist.PrefixStore("vote", self._store),
+                self._index[rank],
+                len(self._index),
+                bind_host,
+                timeout,
+                cancel,
+            )
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def waiting_on(self) -> int | None:
@@ -833,18 +850,23 @@ class StageComm:
         self.wait(self.world.allreduce([torch.zeros(1, device=self.wire)]))
 
     def exchange(self, row: Sequence[float]) -> dict[int, tuple[float, ...]]:
-        """Every worker's ``row`` (all of one length), by global rank; blocks (an all-gather
-        of float64 over the world group).
+        """Every worker's ``row`` (all of one length, float64 on the wire), by global rank;
+        blocks. On the calling thread, over the generation's own TCP connections, not a
+        process group: see [Note: the vote's own connections] in parallelism/mesh.py.
 
         Raises:
-            RuntimeError: if the groups were closed, or a peer died.
+            RuntimeError: if the groups were closed.
+            ConnectionError: a peer died, or the groups were closed meanwhile.
         """
-        if self.closed:
+        mesh = self._mesh
+        if mesh is None:
             raise RuntimeError("process group used after close()")
-        mine = torch.tensor(list(row), dtype=torch.float64, device=self.wire)
-        rows = [torch.empty_like(mine) for _ in self._index]
-        self.wait(self.world.allgather([rows], [mine]))
-        return {r: tuple(rows[i].tolist()) for r, i in self._index.items()}
+        self._blocked_on = -1
+        try:
+            rows = mesh.allgather(row, self._collective_timeout)
+        finally:
+            self._blocked_on = None
+        return {r: rows[i] for r, i in self._index.items()}
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -856,6 +878,9 @@ class StageComm:
         if self._transport is not None:
             self._transport.shut_down()
             self._transport = None
+        if self._mesh is not None:
+            self._mesh.shut_down()
+            self._mesh = None
         groups = [g for g in (self._world, self._stage, self._tied, self._side) if g is not None]
         self._pending = []
         self._world = None

@@ -1,13 +1,16 @@
 """The data-parallel step without the runtime: checkfree's `StageEngine` against DDP.
 
-    python scripts/engine_vs_ddp.py [--size 10] [--steps 300] [--rounds 3]
+    python scripts/engine_vs_ddp.py [--size 10] [--steps 300] [--rounds 3] [--no-votes]
 
 Two processes over Gloo on loopback, the workload of ``bench.py peers`` (4 x
 ``Linear(w, w)`` + ReLU, AdamW, batch 8, MSE, one torch thread each), failure-free: per
 step, either one ``StageEngine.run`` (bucketed all-reduce overlapped with backward,
 gradient norm) and ``optimizer.step()``, or ``DistributedDataParallel`` forward/backward
-and ``optimizer.step()``. No controller, no Ray, no commit vote: what is left between
-this and ``bench.py peers`` is the runtime's share. Both keep their freed memory, as a
+and ``optimizer.step()``. No controller, no Ray: what is left between this and
+``bench.py peers`` is the runtime's share. Two more rows add the workers' commit vote
+between the two, as the runtime sends it ([Note: the vote's own connections] in
+parallelism/mesh.py: `StageComm.exchange`) and as it was sent before, an all-gather over
+a Gloo group (``--no-votes`` leaves both out). Both keep their freed memory, as a
 checkfree worker does ([Note: a worker keeps its freed memory]). The two take turns,
 ``--rounds`` times; each prints rank 0's median step and CPU seconds per step (after 3
 warm-up steps), and the final weights' sum (the same for both: the same bits).
@@ -68,9 +71,18 @@ def _worker(rank: int, mode: str, width: int, steps: int, port: int, out: mp.Que
         )  # fmt: skip
         schedule = build_schedule("1f1b", 1, 1)
 
+        def vote(stats: object) -> None:
+            row = [1.0, stats.loss_sum, float(stats.losses), stats.clipped_grad_norm]  # type: ignore[attr-defined]
+            if mode == "vote-mesh":
+                comm.exchange(row)
+            elif mode == "vote-gloo":
+                mine = torch.tensor(row, dtype=torch.float64)
+                rows = [torch.empty_like(mine) for _ in range(2)]
+                comm.wait(comm.world.allgather([rows], [mine]))
+
         def step(s: int) -> None:
             x, y = peers.batch(s, rank, width)
-            engine.run(schedule, comm, [x], [y])
+            vote(engine.run(schedule, comm, [x], [y]))
             optimizer.step()
             model.zero_grad(set_to_none=True)
 
@@ -117,21 +129,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", type=int, default=10, help="parameter MB: 10 or 100")
     ap.add_argument("--steps", type=int, default=300, help="steps per run")
     ap.add_argument("--rounds", type=int, default=3, help="runs of each, taking turns")
+    ap.add_argument(
+        "--no-votes", action="store_true", help="leave out the two rows with a commit vote"
+    )
     args = ap.parse_args(argv)
     width = peers.WIDTHS[args.size]
     print(f"{args.size} MB (w={width}), {args.steps} steps a run, medians after {WARMUP}")
-    ratios = []
+    modes = {"DDP": "ddp", "StageEngine": "engine"}
+    if not args.no_votes:
+        modes |= {"+ vote, mesh": "vote-mesh", "+ vote, Gloo": "vote-gloo"}
+    ratios: dict[str, list[float]] = {name: [] for name in modes if name != "DDP"}
     for r in range(args.rounds):
-        ddp = _run("ddp", width, args.steps)
-        eng = _run("engine", width, args.steps)
-        ratios.append(eng[0] / ddp[0])
-        for name, (wall, cpu, total) in (("DDP", ddp), ("StageEngine", eng)):
+        got = {name: _run(mode, width, args.steps) for name, mode in modes.items()}
+        for name, (wall, cpu, total) in got.items():
+            if name != "DDP":
+                ratios[name].append(wall / got["DDP"][0])
             print(
                 f"round {r + 1} {name:12s} step {wall * 1e3:6.1f} ms  cpu {cpu * 1e3:6.1f} ms"
                 f"  weights' sum {total:.6f}",
                 flush=True,
             )
-    print("StageEngine / DDP per round: " + ", ".join(f"{x:.3f}" for x in ratios))
+    for name, values in ratios.items():
+        print(f"{name} / DDP per round: " + ", ".join(f"{x:.3f}" for x in values))
     return 0
 
 
