@@ -79,15 +79,25 @@ def _wide_batches(step: int, replica: int, num_replicas: int) -> tuple[torch.Ten
     return regression_batches(step, replica, num_replicas, width=809)
 
 
-def _process_faults(pid: int) -> int:
-    """Minor faults of ``pid``'s threads (summed per thread: a process's own count is not
-    kept current on every kernel this runs on)."""
-    total = 0
+def _thread_counts(pid: int) -> dict[int, tuple[int, int]]:
+    """``pid``'s threads: thread id -> (CPU ticks, minor faults)."""
+    out: dict[int, tuple[int, int]] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            stat = (task / "stat").read_text(encoding="ascii")
-            total += int(stat.rsplit(")", 1)[1].split()[7])  # minflt, the 10th field
-    return total
+            fields = (task / "stat").read_text(encoding="ascii").rsplit(")", 1)[1].split()
+            # utime + stime, and minflt (the 10th field)
+            out[int(task.name)] = (int(fields[11]) + int(fields[12]), int(fields[7]))
+    return out
+
+
+def _step_thread_faults(
+    before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]]
+) -> int:
+    """Minor faults between two samples of the thread that ran most between them: a
+    training worker's call thread, where its steps run (Ray's and Gloo's threads fault on
+    their own schedule, more on a loaded machine, and are not what this measures)."""
+    tid = max(after, key=lambda t: after[t][0] - before.get(t, (0, 0))[0])
+    return after[tid][1] - before.get(tid, (0, 0))[1]
 
 
 @pytest.mark.ray
@@ -95,8 +105,14 @@ def _process_faults(pid: int) -> int:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_ray_workers_steady_steps_fault_in_almost_no_fresh_pages() -> None:
     """A Ray actor runs its calls on a thread of its own, whose arena's heaps glibc gave
-    back whenever one emptied: AdamW's temporaries then faulted in hundreds of pages a
-    step on this job (~140 measured without the pad); with it, 10-20."""
+    back whenever one emptied: AdamW's temporaries then faulted in pages every step.
+    Measured on the step thread of this job on the 2-core machine, per step: 7-20 without
+    the pad; with it 0.05-0.08 in workers holding their heap in huge pages (the job's
+    own, started ahead: [Note: huge pages for a worker's heap]), 0.07-12 in workers
+    without them."""
+    from recovery.pool import POOL
+
+    POOL.clear()  # workers parked by earlier tests keep what they were started with
     spec = mlp_spec(build_stage=_wide_stage, batches=_wide_batches, microbatches=1)
     trainer = Trainer(
         spec,
@@ -104,23 +120,31 @@ def test_a_ray_workers_steady_steps_fault_in_almost_no_fresh_pages() -> None:
         policy=RecoveryPolicy(hot_spares=0, snapshot_every=None),
         collect_states=False,
     )
-    counts: list[tuple[int, list[int]]] = []
+    counts: list[tuple[int, list[dict[int, tuple[int, int]]]]] = []
+    pids: list[int] = []
 
     def sample() -> None:  # at two steps of the run, each worker's faults so far
         for at in (20, 120):
             while trainer._training is None or trainer._training.step < at:
                 time.sleep(0.005)
             controller = trainer._training
-            pids = [info.pid for info in controller.infos().values()]
-            counts.append((controller.step, [_process_faults(pid) for pid in pids]))
+            pids[:] = [info.pid for info in controller.infos().values()]
+            counts.append((controller.step, [_thread_counts(pid) for pid in pids]))
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     trainer.fit(150)
     sampler.join(timeout=10)
     (s0, before), (s1, after) = counts
-    per_step = [(b - a) / (s1 - s0) for a, b in zip(before, after, strict=True)]
-    assert max(per_step) < 50, per_step
+    per_step = [_step_thread_faults(a, b) / (s1 - s0) for a, b in zip(before, after, strict=True)]
+    huge = (
+        _thp_for_madvised_memory()
+        and _GLIBC_HUGETLB
+        and all(
+            memory.HUGE_PAGES in _environ(pid).get("GLIBC_TUNABLES", "").split(":") for pid in pids
+        )
+    )
+    assert max(per_step) < (2 if huge else 50), (per_step, huge)
 
 
 # -- huge pages ([Note: huge pages for a worker's heap]) -----------------------------------
@@ -134,6 +158,10 @@ def test_the_huge_page_tunable_is_added_to_the_callers_and_can_be_turned_off() -
     }
     assert memory.huge_page_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) == {}
     assert memory.huge_page_env({"CHECKFREE_HUGE_PAGES": "0"}) == {}
+
+
+_GLIBC_HUGETLB = tuple(int(p) for p in (platform.libc_ver()[1] or "0.0").split(".")[:2]) >= (2, 35)
+"""Whether this glibc knows ``glibc.malloc.hugetlb``."""
 
 
 def _thp_for_madvised_memory() -> bool:
@@ -153,10 +181,7 @@ for line in open("/proc/self/smaps_rollup"):
 
 
 @pytest.mark.skipif(not _thp_for_madvised_memory(), reason="transparent huge pages are off")
-@pytest.mark.skipif(
-    tuple(int(p) for p in (platform.libc_ver()[1] or "0.0").split(".")[:2]) < (2, 35),
-    reason="glibc.malloc.hugetlb needs glibc 2.35",
-)
+@pytest.mark.skipif(not _GLIBC_HUGETLB, reason="glibc.malloc.hugetlb needs glibc 2.35")
 def test_a_process_started_with_it_holds_its_heap_in_huge_pages() -> None:
     def huge_bytes(env: dict[str, str]) -> int:
         out = subprocess.run(
