@@ -27,8 +27,8 @@ kill until both replicas have committed a step again:
   (detect + replace + reform + transfer + resume to the first commit).
 
 A second table splits checkfree's recoveries into their phases and sets the state
-transfer's rate beside a memcpy of the same bytes, measured in this process right after
-each run.
+transfer's rate beside one libc ``memcpy`` of the same bytes (one call, one thread),
+measured in this process right after each run.
 
 torchft's manager and torch's TCPStore listen on every interface: with ``--isolate`` (the
 default when this runs as root and ``unshare`` exists) everything runs in a private
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import datetime
 import itertools
 import os
@@ -371,14 +372,22 @@ RECOVERIES: list[object] = []
 """The recovery events of the checkfree runs (`run_checkfree`), for the transfer table."""
 
 
-def _memcpy_seconds(nbytes: int) -> float:
-    """Seconds of one in-memory copy of ``nbytes`` into memory already touched (best of 5)."""
+def memcpy_seconds(nbytes: int) -> float:
+    """Seconds of one libc ``memcpy`` of ``nbytes`` into memory already touched (best of 5).
+
+    One call on one thread: the reference a transfer's rate is put against. (A tensor's
+    ``copy_`` splits a large copy over torch's intra-op threads, and what that gives
+    depends on how many the calling process has and what else runs on the cores.)
+    """
     src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src).fill_(0)
+    memcpy = ctypes.CDLL(None).memcpy
+    memcpy.restype = ctypes.c_void_p
+    memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     best = float("inf")
     for _ in range(5):
         start = time.perf_counter()
-        dst.copy_(src)
+        memcpy(dst.data_ptr(), src.data_ptr(), nbytes)
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -436,7 +445,7 @@ def bench(sizes: list[int], repeats: int, isolated: bool) -> None:
                 row.back.append(back)
                 row.events.extend(RECOVERIES)
                 for event in RECOVERIES:  # the same bytes copied here, right after
-                    row.memcpy.append(_memcpy_seconds(event.bytes_moved))  # type: ignore[attr-defined]
+                    row.memcpy.append(memcpy_seconds(event.bytes_moved))  # type: ignore[attr-defined]
     print(
         f"\nPeers, 1 stage x 2 replicas, 4 x Linear(w, w) + ReLU, AdamW, batch {BATCH}, MSE; "
         f"replica 1 SIGKILLed mid-step after {KILL_AFTER} steps; medians of {repeats} "
@@ -477,8 +486,8 @@ def _recovery_table(rows: list[Row]) -> None:
     if not mine:
         return
     print(
-        "\ncheckfree recoveries: phases (medians, s); transfer rate against a memcpy of the "
-        "same bytes, both measured in this run."
+        "\ncheckfree recoveries: phases (medians, s); transfer rate against one memcpy call "
+        "(one thread) of the same bytes, both measured in this run."
     )
     print(
         "| size | system | detect | replace | reform | transfer | resume | state MB "
