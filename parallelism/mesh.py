@@ -186,7 +186,9 @@ class Mesh:
 
     def _sockets(self) -> dict[int, socket.socket]:
         if self._cut:
-            raise ConnectionError("vote mesh: connection closed (this worker's groups were torn down)")
+            raise ConnectionError(
+                "vote mesh: connection closed (this worker's groups were torn down)"
+            )
         return self._peers
 
     def _add(self, peer: int, sock: socket.socket) -> None:
