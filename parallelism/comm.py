@@ -875,12 +875,14 @@ class StageComm:
 
         See [Note: tearing down on failure]. Safe to call more than once.
         """
-        if self._transport is not None:
-            self._transport.shut_down()
-            self._transport = None
-        if self._mesh is not None:
-            self._mesh.shut_down()
-            self._mesh = None
+        # A worker's step thread and its control thread may both close: take each part
+        # once read, so the other's None never lands between a check and a use.
+        transport, self._transport = self._transport, None
+        if transport is not None:
+            transport.shut_down()
+        mesh, self._mesh = self._mesh, None
+        if mesh is not None:
+            mesh.shut_down()
         groups = [g for g in (self._world, self._stage, self._tied, self._side) if g is not None]
         self._pending = []
         self._world = None

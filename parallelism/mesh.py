@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import secrets
 import selectors
 import socket
 import struct
@@ -42,8 +43,11 @@ import torch.distributed as dist
 
 __all__ = ["Mesh"]
 
-_HELLO = struct.Struct("<I")
-"""What a connecting worker sends first: its index."""
+_TOKEN_BYTES = 16
+_HELLO = struct.Struct(f"<I{_TOKEN_BYTES}s")
+"""What a connecting worker sends first: its index and the token the listener published."""
+_ACK = struct.Struct("<I")
+"""The listener's answer to a hello it takes: its own index."""
 _HEADER = struct.Struct("<QI")
 """A row's header: the exchange's number and the row's length (float64s follow)."""
 _MAX_ROW = 1 << 16
@@ -91,13 +95,27 @@ class Mesh:
         listener = socket.create_server((bind_host, 0), backlog=max(1, size))
         try:
             host, port = listener.getsockname()[:2]
-            store.set(f"mesh/{index}", f"{host} {port}")
-            # Connect to every lower index (a connect completes in the peer's backlog,
-            # before it accepts), then accept every higher one: no order can deadlock.
+            token = secrets.token_bytes(_TOKEN_BYTES)
+            store.set(f"mesh/{index}", f"{host} {port} {token.hex()}")
+            # Connect to every lower index, then accept every higher one: lower indices
+            # answer first, so no order can deadlock. A connection says whom it is from
+            # and names the listener's token, and the listener answers with its index:
+            # a stale worker of another generation that reaches a reused port, or a
+            # stranger, is turned away instead of being taken for a peer.
             for peer in range(index):
-                host, port = self._address(store, peer, deadline, cancel)
-                sock = socket.create_connection((host, int(port)), timeout=_POLL_S * 20)
-                sock.sendall(_HELLO.pack(index))
+                host, port, theirs = self._address(store, peer, deadline, cancel)
+                sock = socket.create_connection((host, int(port)), timeout=_HELLO_S)
+                try:
+                    sock.sendall(_HELLO.pack(index, bytes.fromhex(theirs)))
+                    (answer,) = _ACK.unpack(_recv_exactly(sock, _ACK.size, deadline, cancel))
+                except BaseException:
+                    sock.close()
+                    raise
+                if answer != peer:
+                    sock.close()
+                    raise ConnectionError(
+                        f"vote mesh: index {peer}'s address answered as index {answer}"
+                    )
                 self._add(peer, sock)
             listener.settimeout(_POLL_S)
             while len(self._peers) < size - 1:
@@ -106,12 +124,15 @@ class Mesh:
                 except TimeoutError:
                     self._check(deadline, cancel, "a peer to connect")
                     continue
-                sock.settimeout(_HELLO_S)
+                hello_by = min(deadline, time.monotonic() + _HELLO_S)
                 try:
-                    (peer,) = _HELLO.unpack(_recv_exactly(sock, _HELLO.size))
+                    peer, named = _HELLO.unpack(_recv_exactly(sock, _HELLO.size, hello_by, cancel))
+                    known = index < peer < size and peer not in self._peers and named == token
+                    if known:
+                        sock.sendall(_ACK.pack(index))
                 except OSError:  # not one of ours (ConnectionError and timeouts included)
-                    peer = -1
-                if not index < peer < size or peer in self._peers:
+                    known = False
+                if not known:
                     sock.close()  # a stranger: ignored, the peers still come
                     continue
                 self._add(peer, sock)
@@ -212,13 +233,14 @@ class Mesh:
     @staticmethod
     def _address(
         store: dist.Store, peer: int, deadline: float, cancel: threading.Event
-    ) -> tuple[str, str]:
+    ) -> tuple[str, str, str]:
+        """``peer``'s host, port and token (hex), once it published them."""
         key = f"mesh/{peer}"
         while not store.check([key]):
             Mesh._check(deadline, cancel, f"index {peer} to publish its address")
             time.sleep(0.001)
-        host, port = store.get(key).decode().split()
-        return host, port
+        host, port, token = store.get(key).decode().split()
+        return host, port, token
 
     @staticmethod
     def _check(deadline: float, cancel: threading.Event, what: str) -> None:
@@ -228,10 +250,16 @@ class Mesh:
             raise ConnectionError(f"vote mesh: timed out waiting for {what}")
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+def _recv_exactly(sock: socket.socket, n: int, deadline: float, cancel: threading.Event) -> bytes:
+    """``n`` bytes of the handshake, read by ``deadline`` unless ``cancel`` is set."""
+    sock.settimeout(_POLL_S)
     data = b""
     while len(data) < n:
-        chunk = sock.recv(n - len(data))
+        try:
+            chunk = sock.recv(n - len(data))
+        except TimeoutError:
+            Mesh._check(deadline, cancel, "a peer's handshake")
+            continue
         if not chunk:
             raise ConnectionError("vote mesh: connection closed during the handshake")
         data += chunk

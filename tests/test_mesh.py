@@ -142,22 +142,27 @@ def test_a_formation_whose_peer_never_comes_is_abandoned_when_cancelled() -> Non
     assert is_comm_error(info.value)
 
 
-def test_a_stranger_connecting_during_formation_is_ignored() -> None:
-    """Something else reaching the listener (a port scan, a stale peer) does not break the
-    generation: it is dropped and the real peer still joins."""
+def test_a_stranger_or_a_stale_peer_connecting_during_formation_is_turned_away() -> None:
+    """Something else reaching the listener -- a port scan, or a worker of an earlier
+    generation whose peer's port the listener reused, naming the right index but not this
+    listener's token -- is dropped and the real peer still joins."""
     host = host_store("127.0.0.1")
     with ThreadPoolExecutor(1) as pool:
         first = pool.submit(Mesh, _store(host), 0, 2, "127.0.0.1", SHORT)
         address = _store(host).get("mesh/0").decode().split()
-        silent = socket.create_connection((address[0], int(address[1])))
-        talker = socket.create_connection((address[0], int(address[1])))
-        talker.sendall(struct.pack("<I", 7))  # an index no peer has
+        strangers = [socket.create_connection((address[0], int(address[1]))) for _ in range(3)]
+        strangers[0].sendall(struct.pack("<I", 7))  # a few bytes, then nothing
+        strangers[1].sendall(struct.pack("<I16s", 1, b"\0" * 16))  # index 1, another token
+        strangers[2].sendall(struct.pack("<I16s", 9, bytes.fromhex(address[2])))  # no index 9
         second = Mesh(_store(host), 1, 2, "127.0.0.1", SHORT)
         mesh0 = first.result(timeout=30)
     try:
+        for s in strangers:
+            s.settimeout(5)
+            assert s.recv(16) == b""  # closed without an answer
         assert _gather_all([mesh0, second], [[0.0], [1.0]]) == [[(0.0,), (1.0,)]] * 2
     finally:
-        for s in (silent, talker):
+        for s in strangers:
             s.close()
         mesh0.shut_down()
         second.shut_down()
