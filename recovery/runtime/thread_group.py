@@ -20,9 +20,12 @@ during a recovery).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -41,6 +44,8 @@ from recovery.runtime.group import (
 from recovery.worker import StageWorker, WorkerInfo
 
 __all__ = ["ThreadWorkerGroup"]
+
+log = logging.getLogger("checkfree")
 
 
 _SEEDING = frozenset({"setup", "warm", "rebuild"})
@@ -76,6 +81,18 @@ def _make_thread_class(worker_cls: type[StageWorker]) -> type[StageWorker]:
 
     Threaded.__name__ = Threaded.__qualname__ = f"Threaded{worker_cls.__name__}"
     return Threaded
+
+
+def _log_where(rank: int, worker: _Worker) -> None:
+    """Log where a worker killed in the middle of a call was (a hang, most often): a
+    process would take that with it, a thread can still show it."""
+    frames = sys._current_frames()
+    for thread in getattr(worker.main, "_threads", ()):
+        frame = frames.get(thread.ident or -1)
+        stack = traceback.extract_stack(frame) if frame is not None else []
+        if any(f.name == "_run" and f.filename == __file__ for f in stack):
+            where = "".join(traceback.format_list(stack[-12:]))
+            log.warning("killing worker rank %d in the middle of a call, at:\n%s", rank, where)
 
 
 @dataclass(eq=False)
@@ -222,6 +239,7 @@ class ThreadWorkerGroup(WorkerGroup):
         for rank in list(ranks):
             worker = self._workers.pop(rank, None)
             if worker is not None:
+                _log_where(rank, worker)
                 self._kill(worker)
 
     def _kill(self, worker: _Worker) -> None:
