@@ -5,14 +5,16 @@ on the calling thread: the commit vote of every step (`StageComm.exchange`).
 The workers' vote on each step's commit ([Note: workers decide the commit] in
 recovery/worker/stage.py) is one all-gather of four floats per worker. Over a Gloo group
 it cost the data-parallel 10 MB job of ``bench.py peers`` ~1.9 ms a step (19.2 against
-17.3 ms with the vote left out; the all-gather took 1.0-1.3 ms at the median and 3.2 ms
-at the 90th percentile after both workers had arrived): Gloo runs a collective on a
+17.3 ms with the vote left out; a worker waited 1.0-1.3 ms in it at the median, and from
+the later worker's arrival to the first one's return took 0.37 ms at the median and 3.2
+ms at the 90th percentile): Gloo runs a collective on a
 worker thread of its own and its bytes arrive through a third, so a few bytes cross
 several sleeping threads on each side, and on a two-core VM each wake-up can wait for a
 core. Here the calling thread writes its row to each peer's socket and reads theirs;
 nothing else is woken. ``python scripts/engine_vs_ddp.py`` (the same workload, no
-runtime) puts the two side by side against DDP: 16.4-16.8 ms a step with the vote on
-these sockets, 18.5 ms with it over Gloo, 17.3 ms for DDP, 16.6-17.1 ms without a vote.
+runtime) puts the two side by side against DDP (docs/bench/engine_vs_ddp.txt, three
+rounds): 16.1-16.8 ms a step with the vote on these sockets, 18.1-18.4 ms with it over
+Gloo, 16.8-17.9 ms for DDP, 15.9-16.4 ms without a vote.
 
 The semantics are the all-gather's: every worker sends its row to every other and
 returns once it holds all of them, so a complete result anywhere means every worker
@@ -87,7 +89,6 @@ class Mesh:
         self.index = index
         self.size = size
         self._count = 0
-        self._lock = threading.Lock()
         self._peers: dict[int, socket.socket] = {}
         self._cut = False
         deadline = time.monotonic() + timeout.total_seconds()
@@ -145,7 +146,8 @@ class Mesh:
     def allgather(
         self, row: Sequence[float], timeout: datetime.timedelta
     ) -> list[tuple[float, ...]]:
-        """Every worker's ``row`` (all of one length), by index; blocks.
+        """Every worker's ``row`` (all of one length), by index; blocks. One thread at a
+        time (the step's): the rows of two exchanges at once would interleave.
 
         Raises:
             ConnectionError: a peer died or this mesh was shut down, the rows did not all
@@ -154,9 +156,8 @@ class Mesh:
         """
         if len(row) > _MAX_ROW:
             raise ValueError(f"a row of {len(row)} floats is longer than {_MAX_ROW}")
-        with self._lock:
-            number = self._count
-            self._count += 1
+        number = self._count
+        self._count += 1
         message = _HEADER.pack(number, len(row)) + struct.pack(f"<{len(row)}d", *row)
         rows: list[tuple[float, ...] | None] = [None] * self.size
         rows[self.index] = tuple(float(x) for x in row)
@@ -164,7 +165,9 @@ class Mesh:
         got: dict[int, bytes] = {}
         deadline = time.monotonic() + timeout.total_seconds()
         with selectors.DefaultSelector() as selector:
-            for peer, sock in self._sockets().items():
+            if self._cut:
+                raise ConnectionError("vote mesh: connection closed (this worker was torn down)")
+            for peer, sock in self._peers.items():
                 try:
                     sock.sendall(message)
                 except OSError as exc:
@@ -204,13 +207,6 @@ class Mesh:
                 sock.shutdown(socket.SHUT_RDWR)
 
     # -- helpers ---------------------------------------------------------------------------
-
-    def _sockets(self) -> dict[int, socket.socket]:
-        if self._cut:
-            raise ConnectionError(
-                "vote mesh: connection closed (this worker's groups were torn down)"
-            )
-        return self._peers
 
     def _add(self, peer: int, sock: socket.socket) -> None:
         sock.settimeout(None)
