@@ -3,9 +3,10 @@ pipeline stages by torch's pipelining, fed through `batches_from_dataset`, a wor
 
     python examples/vision.py
 
-The dataset draws each image from its index (a shape class -- a square, a cross, a ring
--- at a random place, plus noise), so it needs nothing downloaded; swap in any map-style
-``Dataset`` of (image, label) pairs (``torchvision.datasets.ImageFolder`` is one). Runs on
+The dataset (`parallelism.workloads.shapes.Shapes`) draws each image from its index (a
+shape class -- a square, a cross, a ring -- at a random place, plus noise), so it needs
+nothing downloaded; swap in any map-style ``Dataset`` of (image, label) pairs
+(``torchvision.datasets.ImageFolder`` is one). Runs on
 an embedded local Ray, 2 stages x 2 replicas, in about a minute on two CPU cores.
 """
 
@@ -18,44 +19,12 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from parallelism import Topology
+from parallelism.workloads.shapes import CLASSES, SIZE, Shapes
 from recovery import FailureSchedule, Kill, Trainer, TrainSpec, batches_from_dataset
-
-SIZE = 24
-CLASSES = ("square", "cross", "ring")
-
-
-class Shapes(Dataset):  # type: ignore[type-arg]
-    """``count`` 1 x 24 x 24 images of one of three shapes; image ``i`` is a pure function
-    of ``(seed, i)``."""
-
-    def __init__(self, count: int, seed: int = 0) -> None:
-        self.count, self.seed = count, seed
-        yy, xx = torch.meshgrid(torch.arange(SIZE), torch.arange(SIZE), indexing="ij")
-        self.grid = yy.float(), xx.float()
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
-        label = int(torch.randint(len(CLASSES), (), generator=g))
-        cy, cx = (torch.randint(6, SIZE - 6, (2,), generator=g)).float()
-        yy, xx = self.grid
-        dy, dx = (yy - cy).abs(), (xx - cx).abs()
-        if label == 0:
-            image = ((dy <= 4) & (dx <= 4)).float()
-        elif label == 1:
-            image = (((dy <= 1) & (dx <= 5)) | ((dx <= 1) & (dy <= 5))).float()
-        else:
-            r = (dy**2 + dx**2).sqrt()
-            image = ((r >= 3) & (r <= 5)).float()
-        image = image + 0.8 * torch.randn(SIZE, SIZE, generator=g)
-        return image.unsqueeze(0), torch.tensor(label)
 
 
 def cnn(width: int = 16) -> nn.Sequential:

@@ -1,9 +1,11 @@
 """Runs one pipeline stage's share of a training step: its schedule, then the gradient all-reduce.
 
 `StageEngine` executes the actions a `Schedule` lists for one stage -- receive, forward,
-send, backward -- on the stage's module, then averages the stage's gradients across the
-replicas of the stage and measures (and optionally clips) their norm. It never steps the
-optimizer: applying a step is the caller's decision (the two-phase step, see
+send, backward -- on the stage's module, then averages the stage's gradients (and the
+buffer values the step computed, see [Note: buffers are state] in parallelism/buffers.py)
+across the replicas of the stage and measures (and optionally clips) the gradient's norm.
+It never steps the optimizer nor writes the buffers: applying a step is the caller's
+decision (the two-phase step, see
 [Note: two-phase step] in ``recovery/worker/stage.py``). It knows nothing of failures: a
 communication error simply propagates.
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -35,6 +38,7 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from parallelism.buffers import StageBuffers
 from parallelism.comm import Activation, StageComm, Waitable
 from parallelism.progress import Progress, progress_for
 from parallelism.schedule import Op, Schedule
@@ -130,8 +134,12 @@ class StageEngine:
         shared: Sequence[str] = (),
         shared_is_home: bool = True,
         progress: Progress | None = None,
+        compute: Callable[[], AbstractContextManager[None]] = nullcontext,
     ) -> None:
         self.module = module
+        self.compute = compute
+        """Entered around every forward and backward action: where the worker's random
+        streams are in force (`parallelism.seeding.Randomness.compute`)."""
         self.stage = stage
         self.replica = replica
         self.topology = topology
@@ -163,6 +171,9 @@ class StageEngine:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._overlap: _Overlap | None = None
         """Set while the step's last backward runs: the buckets its hooks launch."""
+        self.buffers = StageBuffers(module, topology.replicas)
+        """The stage's buffers: a training step's values wait for the commit, averaged
+        over the replicas (see [Note: buffers are state] in parallelism/buffers.py)."""
 
     def _bind_gradients(self) -> None:
         """Make sure the flat gradient buffer exists and drop every own parameter's
@@ -293,8 +304,12 @@ class StageEngine:
         """
         stats = StepStats()
         hook = hook or (lambda point: None)
+        training = schedule.has_backward()
+        if training:
+            self.buffers.begin()
         self._run_schedule(schedule, comm, inputs, targets, hook, stats, overlap=True)
-        if schedule.has_backward():
+        if training:
+            self.buffers.collect()
             self._reduce(comm, hook, stats)
         return stats
 
@@ -321,6 +336,7 @@ class StageEngine:
         stats = StepStats()
         hook = hook or (lambda point: None)
         total: list[torch.Tensor] | None = None
+        self.buffers.begin()
         for index, share in enumerate(shares):
             inputs, targets = share.prepare()
             self._run_schedule(
@@ -332,6 +348,7 @@ class StageEngine:
                 stats,
                 overlap=False,
             )
+            self.buffers.collect()  # each share starts from the committed buffers
             grads = [
                 p.grad if p.grad is not None else torch.zeros_like(p)
                 for p in (*self.params, *self.shared)
@@ -409,17 +426,20 @@ class StageEngine:
                     )
                     # A received activation requires a gradient where the sender's did.
                     x = inputs[m].to(self.device, non_blocking=True) if first else received.pop(m)
-                    out = call_stage(self.module, x, first=first, last=last, natural=natural)
-                    if last:
-                        if not isinstance(out, torch.Tensor):
-                            raise ValueError(
-                                f"the last stage must return one tensor (the loss function's "
-                                f"input), got {type(out).__name__}"
-                            )
-                        loss = self.loss_fn(out, targets[m].to(self.device, non_blocking=True))
-                        stats.loss_sum += float(loss.detach())
-                        stats.losses += 1
-                        out = loss / num_mb
+                    with self.compute():
+                        self.progress.mark()  # (a thread worker may have waited for another)
+                        out = call_stage(self.module, x, first=first, last=last, natural=natural)
+                        if last:
+                            if not isinstance(out, torch.Tensor):
+                                raise ValueError(
+                                    f"the last stage must return one tensor (the loss "
+                                    f"function's input), got {type(out).__name__}"
+                                )
+                            target = targets[m].to(self.device, non_blocking=True)
+                            loss = self.loss_fn(out, target)
+                            stats.loss_sum += float(loss.detach())
+                            stats.losses += 1
+                            out = loss / num_mb
                     stage_in[m], stage_out[m] = x, out
                     end = time.perf_counter()
                     stats.compute_s += end - start
@@ -444,11 +464,13 @@ class StageEngine:
                     if overlap and index == last_backward and self._buckets and comm is not None:
                         self._overlap = _Overlap(comm, [0] * len(self._buckets))
                     out = stage_out.pop(m)
-                    if m in grad_out:
-                        torch.autograd.backward(_needs_grad(out), grad_out.pop(m))
-                    else:
-                        assert isinstance(out, torch.Tensor)  # the loss
-                        out.backward()
+                    with self.compute():
+                        self.progress.mark()
+                        if m in grad_out:
+                            torch.autograd.backward(_needs_grad(out), grad_out.pop(m))
+                        else:
+                            assert isinstance(out, torch.Tensor)  # the loss
+                            out.backward()
                     end = time.perf_counter()
                     stats.compute_s += end - start
                     stats.timeline.append((str(action), start - t0, end - t0))
@@ -496,6 +518,8 @@ class StageEngine:
             tied = [p.grad for p in self.shared if p.grad is not None]
             flat_tied = _flatten_dense_tensors(tied)
             works.append((comm.allreduce_tied(flat_tied), flat_tied, tied))
+        # The buffers' sum goes after every gradient bucket, in the same order everywhere.
+        buffers = self.buffers.reduce(comm if replicas > 1 else None)
         hook(DURING_ALLREDUCE)
         # With buckets, each one's gradients are averaged and their norms taken as soon as
         # its all-reduce is back, while the later ones are still on the wire.
@@ -511,6 +535,7 @@ class StageEngine:
             if norms is not None and k < len(self._buckets):
                 for i in self._buckets[k].params:
                     norms[i] = torch.linalg.vector_norm(self._grad_views[i], 2.0)
+        self.buffers.finish(comm, buffers)
         own_norms = [norms[i] for i in range(len(self.params))] if norms is not None else None
         norm, clipped = clip_gradients(
             self.params,

@@ -64,11 +64,22 @@ def partition(sizes: Sequence[int], parts: int) -> list[int]:
 
 class OwnedParams(nn.Module):
     """A module over given tensors (sharing their storage), so that the state-transfer and
-    snapshot functions, which move a module and its optimizer, can move one shard."""
+    snapshot functions, which move a module and its optimizer, can move one shard.
 
-    def __init__(self, params: Iterable[nn.Parameter]) -> None:
+    ``buffers``: named tensors to carry too, as buffers ``buffers.0``, ``buffers.1``, ...
+    in order (a stage's buffers, which belong to no shard: a replacement takes them with
+    its shard)."""
+
+    def __init__(
+        self, params: Iterable[nn.Parameter], buffers: Iterable[tuple[str, torch.Tensor]] = ()
+    ) -> None:
         super().__init__()
         self.params = nn.ParameterList(params)
+        held = list(buffers)
+        if held:
+            self.buffers_ = nn.Module()
+            for index, (_, tensor) in enumerate(held):
+                self.buffers_.register_buffer(str(index), tensor)
 
 
 class ZeroShard:

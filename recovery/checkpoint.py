@@ -1,12 +1,13 @@
 """Per-worker checkpoints with torch.distributed.checkpoint (DCP), written atomically.
 
-Layout: ``<root>/step_<step>/rank_<rank>/`` holds one worker's model and optimizer state
-and its step. A worker writes into a temporary folder and renames it into place, so a
+Layout: ``<root>/step_<step>/rank_<rank>/`` holds one worker's whole state: model,
+optimizer and progress. A worker writes into a temporary folder and renames it into place, so a
 folder that exists is complete. This is what the ``restart`` baseline writes every
 ``checkpoint_every`` steps -- the checkpoint/restart practice of torchrun and Ray Train
 that the recovery strategies are measured against.
 
-The DCP primitives here (`worker_state_dict`, `load_worker_state`) and the atomic-file
+The DCP primitives here (`load_worker_state`, over `recovery.state.dcp_state`: every part
+of a worker's state, see [Note: one worker state]) and the atomic-file
 helpers are shared with the durable snapshot tier (``recovery/snapshots/durable.py``),
 which adds asynchronous writes, checksums and a commit marker on top of the same layout.
 """
@@ -21,8 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
+from recovery.state import Progress, WorkerState, dcp_state, load_dcp_state
 
 # torch.distributed.checkpoint is imported where it is used: importing it takes ~0.9 s, which
 # every worker start (a cold replacement's included) would pay for nothing without
@@ -45,37 +45,21 @@ def checkpoint_path(root: str | os.PathLike[str], step: int, rank: int) -> Path:
     return step_path(root, step) / f"rank_{rank:04d}"
 
 
-def worker_state_dict(
-    module: nn.Module, optimizer: torch.optim.Optimizer, step: int
-) -> dict[str, Any]:
-    """A worker's state as DCP saves and loads it: model, optimizer (keyed by parameter
-    name, with its state allocated even before the first step) and the step."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_state, optim_state = get_state_dict(module, optimizer)
-    return {"model": model_state, "optim": optim_state, "step": step}
-
-
-def load_worker_state(
-    path: str | os.PathLike[str], module: nn.Module, optimizer: torch.optim.Optimizer
-) -> int:
-    """Load the DCP folder ``path`` into ``module`` and ``optimizer``. Returns its step.
+def load_worker_state(path: str | os.PathLike[str], state: WorkerState) -> Progress:
+    """Load the DCP folder ``path`` into ``state``'s module and optimizer. Returns the
+    progress it holds (for the caller to adopt).
 
     Raises:
         FileNotFoundError: if ``path`` holds no DCP checkpoint.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     if not (Path(path) / ".metadata").exists():
         raise FileNotFoundError(f"no DCP checkpoint in {path}")
     # DCP loads in place: pre-allocate every tensor, the optimizer's included.
-    state = worker_state_dict(module, optimizer, -1)
-    dcp.load(state, checkpoint_id=path, no_dist=True)
-    set_state_dict(
-        module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
-    return int(state["step"])
+    loaded = dcp_state(state)
+    dcp.load(loaded, checkpoint_id=path, no_dist=True)
+    return load_dcp_state(state, loaded)
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -109,34 +93,24 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Mapping[str, Any]) -> b
     return data
 
 
-def save_checkpoint(
-    root: str | os.PathLike[str],
-    rank: int,
-    module: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    step: int,
-) -> Path:
-    """Write worker ``rank``'s state at ``step`` (synchronously). Returns its folder."""
+def save_checkpoint(root: str | os.PathLike[str], rank: int, state: WorkerState) -> Path:
+    """Write worker ``rank``'s whole state (synchronously), under its step. Returns its folder."""
     import torch.distributed.checkpoint as dcp
 
-    final = checkpoint_path(root, step, rank)
+    final = checkpoint_path(root, state.step, rank)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
-    dcp.save(worker_state_dict(module, optimizer, step), checkpoint_id=tmp, no_dist=True)
+    dcp.save(dcp_state(state), checkpoint_id=tmp, no_dist=True)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     return final
 
 
 def load_checkpoint(
-    root: str | os.PathLike[str],
-    rank: int,
-    step: int,
-    module: nn.Module,
-    optimizer: torch.optim.Optimizer,
-) -> int:
-    """Load worker ``rank``'s state of ``step`` into ``module`` and ``optimizer``. Returns the step.
+    root: str | os.PathLike[str], rank: int, step: int, state: WorkerState
+) -> Progress:
+    """Load worker ``rank``'s checkpoint of ``step`` into ``state``. Returns its progress.
 
     Raises:
         FileNotFoundError: if that checkpoint does not exist.
@@ -144,4 +118,4 @@ def load_checkpoint(
     path = checkpoint_path(root, step, rank)
     if not (path / ".metadata").exists():
         raise FileNotFoundError(f"no checkpoint of rank {rank} at step {step} in {root}")
-    return load_worker_state(path, module, optimizer)
+    return load_worker_state(path, state)

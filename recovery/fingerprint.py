@@ -17,13 +17,16 @@ element, so the value stays finite and the non-finite check never sees it.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from typing import Any
 
 import torch
 import xxhash
-from torch import nn
+
+from recovery.state import WorkerState
+from recovery.wire import encode
 
 __all__ = [
+    "DESCRIPTION",
     "RECOMMENDED_FINGERPRINT_EVERY",
     "Fingerprint",
     "digest",
@@ -46,6 +49,9 @@ without any rollback (see [Note: fingerprint vote] in recovery/vote.py).
 `RecoveryPolicy.fingerprint_every` stays off by default: checks cost every job something,
 and need two or more replicas."""
 
+DESCRIPTION = "description"
+"""The fingerprint's entry for everything but the tensors (see `fingerprint`)."""
+
 Fingerprint = dict[str, str]
 """Tensor name -> hex digest of its bytes, 64 bits (a false agreement is a 2^-64 event per
 tensor; parameters by name, optimizer state as
@@ -55,23 +61,23 @@ _MANTISSA_BITS = {torch.float32: 23, torch.float64: 52, torch.float16: 10, torch
 """Mantissa bits per floating dtype: flipping one of them keeps a finite value finite."""
 
 
-def state_tensors(
-    module: nn.Module, optimizer: torch.optim.Optimizer | None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors a fingerprint covers, in a fixed order: parameters, then optimizer state."""
-    names = {}
-    for name, param in module.named_parameters():
-        names[id(param)] = name
-        yield name, param.data
-    if optimizer is None:
-        return
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            state = optimizer.state.get(param, {})
-            for key in sorted(state):
-                value = state[key]
-                if isinstance(value, torch.Tensor):
-                    yield f"optim.{names.get(id(param), '?')}.{key}", value
+def state_tensors(state: WorkerState, *, optimizer: bool = True) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a fingerprint covers, named and ordered as every path moves them
+    (`WorkerState.describe`): the module's parameters and buffers, then (``optimizer``) the
+    optimizer's tensors."""
+    meta, tensors, names = state.describe()
+    count = len(meta["model"]) if not optimizer else len(tensors)
+    return list(zip(names[:count], tensors[:count], strict=True))
+
+
+def _canonical(obj: Any) -> Any:
+    """``obj`` with every dict's items in key order, for a digest that does not depend on
+    the order entries were inserted in (a received optimizer's state, say)."""
+    if isinstance(obj, dict):
+        return {"__sorted__": [[_canonical(k), _canonical(obj[k])] for k in sorted(obj, key=str)]}
+    if isinstance(obj, list | tuple):
+        return [_canonical(v) for v in obj]
+    return obj
 
 
 def digest(tensor: torch.Tensor) -> str:
@@ -89,20 +95,30 @@ def raw_bytes(tensor: torch.Tensor) -> memoryview:
     return tensor.detach().reshape(-1).view(torch.uint8).numpy().data
 
 
-def fingerprint(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> Fingerprint:
-    """The fingerprint of ``module``'s parameters and ``optimizer``'s state (None: the
-    parameters only, for a sharded optimizer whose replicas hold different shards)."""
-    return {name: digest(t) for name, t in state_tensors(module, optimizer)}
+def fingerprint(state: WorkerState, *, optimizer: bool = True) -> Fingerprint:
+    """The fingerprint of a worker's whole state: one digest per tensor (`state_tensors`)
+    and one, ``description``, of everything else it holds -- the optimizer's scalars and
+    hyper-parameters (its learning rates included) and the progress (the step and a
+    rebuild's mark). ``optimizer=False``: without the optimizer, for a sharded optimizer
+    whose replicas hold different shards."""
+    meta, tensors, names = state.describe()
+    count = len(tensors) if optimizer else len(meta["model"])
+    found = {name: digest(t) for name, t in zip(names[:count], tensors[:count], strict=True)}
+    rest = {"model": meta["model"], "progress": meta["progress"]}
+    if optimizer:
+        rest["optimizer"] = meta["optimizer"]
+    found[DESCRIPTION] = xxhash.xxh3_64(encode(_canonical(rest))).hexdigest()
+    return found
 
 
-def flip_bit(module: nn.Module, optimizer: torch.optim.Optimizer | None, seed: int) -> str:
+def flip_bit(state: WorkerState, seed: int, *, optimizer: bool = True) -> str:
     """Flip one mantissa bit of one element of one floating tensor of the state, chosen
     from ``seed`` (a finite value stays finite). Returns ``"<tensor>[<element>] bit <b>"``.
 
     Raises:
         ValueError: if the state has no floating tensor with an element.
     """
-    return flip_one(list(state_tensors(module, optimizer)), seed)
+    return flip_one(state_tensors(state, optimizer=optimizer), seed)
 
 
 def flip_one(tensors: list[tuple[str, torch.Tensor]], seed: int) -> str:

@@ -44,6 +44,7 @@ from parallelism.workloads.dlrm import ProcessGroupCollective
 from recovery.errors import TransferCorrupted
 from recovery.faults import Fault, KillPoint
 from recovery.spec import TrainSpec
+from recovery.state import WorkerState
 from recovery.strategies.embedding import (
     MFUTracker,
     MirrorPlan,
@@ -369,7 +370,8 @@ class TableWorker(StageWorker):
         assert self.comm is not None and self.mirror is not None
         restored = restore_shard([self.mirror])
         self.mirror.rebase(restored)  # the replacement holds what the mirror holds now
-        sent = send_state(self.comm, dst, self.table.dense, self.optimizer, self.step, wait=False)
+        dense = WorkerState(self.table.dense, self.optimizer, self.progress)
+        sent = send_state(self.comm, dst, dense, wait=False)
         for t in (restored.weight, restored.accumulator, restored.lookups):
             self.comm.isend(t, dst)
             sent += t.numel() * t.element_size()
@@ -383,7 +385,8 @@ class TableWorker(StageWorker):
         assert self.comm is not None
         corrupted: dict[int, list[str]] = {}
         try:
-            self.step, received, _ = recv_state(self.comm, src, self.table.dense, self.optimizer)
+            dense = WorkerState(self.table.dense, self.optimizer, self.progress)
+            self.progress, received = recv_state(self.comm, src, dense)
         except TransferCorrupted as exc:  # receive the rest all the same: the protocol goes on
             corrupted = {source: list(tensors) for _, source, tensors in exc.found}
             received = 0

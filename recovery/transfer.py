@@ -51,6 +51,7 @@ from parallelism.comm import GarbledMessage, StageComm, empty_received
 from recovery import same_host
 from recovery.errors import TransferCorrupted
 from recovery.fingerprint import digest, flip_one
+from recovery.state import Progress, WorkerState, describe_entry, entry_from, tensor_meta
 from recovery.wire import recv_header, send_header, tensor_spec
 
 
@@ -60,46 +61,6 @@ class TransferStats:
     seconds: float
 
 
-def _tensor_meta(t: torch.Tensor) -> tuple[str, tuple[int, ...], str]:
-    return ("tensor", tuple(t.shape), str(t.dtype).removeprefix("torch."))
-
-
-def _describe_entry(
-    entry: dict[str, Any], tensors: list[torch.Tensor], names: list[str], prefix: str
-) -> dict[str, Any]:
-    """Describe one parameter's optimizer state; append the tensors to send to ``tensors``
-    and their names (``<prefix>.<key>``) to ``names``."""
-    meta: dict[str, Any] = {}
-    for key, value in entry.items():
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            meta[key] = _tensor_meta(value)
-            tensors.append(value.detach())
-            names.append(f"{prefix}.{key}")
-        elif isinstance(value, torch.Tensor):
-            # Scalars (Adam's step count) may live on the CPU even on a GPU worker, where
-            # the backend cannot send them; they travel inside the description.
-            meta[key] = ("scalar", value.detach().cpu().clone())
-        else:
-            meta[key] = ("value", value)
-    return meta
-
-
-def _allocate_entry(
-    meta: dict[str, Any], device: torch.device, targets: list[torch.Tensor]
-) -> dict[str, Any]:
-    """The receiving side of `_describe_entry`: empty tensors (appended to ``targets``, to
-    be received in order) and the values that travelled inside the description."""
-    entry: dict[str, Any] = {}
-    for key, (kind, *rest) in meta.items():
-        if kind == "tensor":
-            shape, dtype = rest
-            entry[key] = _empty(shape, dtype, device)
-            targets.append(entry[key])
-        else:
-            entry[key] = rest[0]
-    return entry
-
-
 @contextmanager
 def _reading(src: int) -> Iterator[None]:
     """A description that decodes but does not have the expected structure is garbled too."""
@@ -107,35 +68,6 @@ def _reading(src: int) -> Iterator[None]:
         yield
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
         raise GarbledMessage(f"a state description from rank {src} does not fit: {err!r}") from None
-
-
-def _parameter_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """The name of each parameter at its index in ``optimizer.state_dict()``."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    return [names.get(id(p), str(i)) for i, p in enumerate(params)]
-
-
-def _describe(
-    module: nn.Module, optimizer: torch.optim.Optimizer, step: int
-) -> tuple[dict[str, Any], list[torch.Tensor], list[str]]:
-    """The description, the tensors to send and their names (state_dict keys, then
-    ``optim.<parameter>.<key>`` as in `recovery.fingerprint`)."""
-    model = module.state_dict()
-    opt = optimizer.state_dict()
-    tensors: list[torch.Tensor] = list(model.values())
-    names = list(model)
-    params = _parameter_names(module, optimizer)
-    state_meta: dict[int, dict[str, Any]] = {}
-    for index, entry in opt["state"].items():
-        where = params[index] if 0 <= index < len(params) else str(index)
-        state_meta[index] = _describe_entry(entry, tensors, names, f"optim.{where}")
-    meta = {
-        "model": [(k, *_tensor_meta(v)[1:]) for k, v in model.items()],
-        "optimizer": {"state": state_meta, "param_groups": opt["param_groups"]},
-        "step": step,
-    }
-    return meta, tensors, names
 
 
 def _digests(names: list[str], tensors: list[torch.Tensor]) -> list[list[str]]:
@@ -162,8 +94,8 @@ class DigestsAhead:
     digests: list[list[str]]
 
     @classmethod
-    def start(cls, module: nn.Module, optimizer: torch.optim.Optimizer) -> DigestsAhead:
-        _, tensors, names = _describe(module, optimizer, 0)
+    def start(cls, state: WorkerState) -> DigestsAhead:
+        _, tensors, names = state.describe()
         digests: list[list[str]] = []
         thread = threading.Thread(
             target=lambda: digests.extend(_digests(names, tensors)),
@@ -227,30 +159,25 @@ def _check(
 def send_state(
     comm: StageComm,
     dst: int,
-    module: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    step: int,
-    extra: dict[str, Any] | None = None,
+    state: WorkerState,
     *,
     wait: bool = True,
     flip: int | None = None,
     local: bool = True,
     ahead: DigestsAhead | None = None,
 ) -> int:
-    """Send this worker's full state to global rank ``dst``. Returns the bytes sent.
+    """Send ``state`` -- every part of it (see [Note: one worker state] in
+    recovery/state.py) -- to global rank ``dst``. Returns the bytes sent.
 
-    ``extra`` (small, JSON values) travels in the description: per-worker marks such as
-    when the stage was last rebuilt. ``wait=False`` returns once the sends are posted
-    (finish them with ``comm.wait_sends()``), so a worker can receive meanwhile. The
-    description carries the digest of every tensor (see [Note: checked transfers]);
-    ``flip`` (a seed) injects a bit flipped in flight after they were taken. A
-    destination on this host copies the tensors straight out of this process's memory
-    (``local``, and only with ``wait``: see [Note: same-host transfer] in
-    recovery/same_host.py). ``ahead``: the digests, if taken already (see [Note: digests
-    taken ahead]).
+    ``wait=False`` returns once the sends are posted (finish them with
+    ``comm.wait_sends()``), so a worker can receive meanwhile. The description carries the
+    digest of every tensor (see [Note: checked transfers]); ``flip`` (a seed) injects a
+    bit flipped in flight after they were taken. A destination on this host copies the
+    tensors straight out of this process's memory (``local``, and only with ``wait``: see
+    [Note: same-host transfer] in recovery/same_host.py). ``ahead``: the digests, if taken
+    already (see [Note: digests taken ahead]).
     """
-    meta, tensors, names = _describe(module, optimizer, step)
-    meta["extra"] = extra or {}
+    meta, tensors, names = state.describe()
     digests = ahead.take(names, tensors) if ahead is not None else None
     outgoing = _outgoing(tensors, names, flip)
     nbytes = sum(t.numel() * t.element_size() for t in outgoing)
@@ -275,12 +202,9 @@ def send_state(
     return int(header + nbytes)
 
 
-def recv_state(
-    comm: StageComm, src: int, module: nn.Module, optimizer: torch.optim.Optimizer
-) -> tuple[int, int, dict[str, Any]]:
-    """Replace this worker's state with the one global rank ``src`` sends.
-
-    Returns ``(step, bytes received, extra)``.
+def recv_state(comm: StageComm, src: int, state: WorkerState) -> tuple[Progress, int]:
+    """Replace ``state``'s module and optimizer state with what global rank ``src`` sends;
+    returns the sender's progress (for the caller to adopt) and the bytes received.
 
     Raises:
         RuntimeError: if the source's module does not match this worker's (a different
@@ -290,27 +214,27 @@ def recv_state(
             optimizer state is then left as it was, the parameters are not to be trusted.
     """
     meta, header = recv_header(comm, src)
-    model = module.state_dict()
-    expected = [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in model.items()]
-    with _reading(src):
-        received = [(k, tuple(shape), dtype) for k, shape, dtype in meta["model"]]
-    if expected != received:
-        raise RuntimeError(
-            f"state from rank {src} does not match this stage's module: {received[:3]}... vs {expected[:3]}..."
-        )
+    with _reading(src):  # its structure first: what does not fit is garbled
+        for _name, shape, dtype in meta["model"]:
+            tensor_spec(shape, dtype)
+        if not isinstance(meta["progress"], Progress):
+            raise TypeError(f"progress {meta['progress']!r}")
+    try:
+        targets = state.model_targets(meta)
+    except ValueError as err:
+        raise RuntimeError(f"state from rank {src}: {err}") from None
     # Allocate every destination first, then post all receives at once so that the bytes
-    # stream without a round trip per tensor. Model tensors are received in place: the
-    # state_dict's tensors share storage with the parameters.
-    targets: list[torch.Tensor] = [model[key] for key, _, _ in received]
-    state: dict[int, dict[str, Any]] = {}
+    # stream without a round trip per tensor. Model tensors are received in place.
+    device = comm.device
     with _reading(src):
-        for index, entry in meta["optimizer"]["state"].items():
-            state[index] = _allocate_entry(entry, comm.device, targets)
-        param_groups, step, extra = meta["optimizer"]["param_groups"], meta["step"], meta["extra"]
+        opt_state = state.optimizer_state(
+            meta, lambda shape, dtype: _empty(shape, dtype, device), targets
+        )
     header += _receive(comm, src, meta, targets)
-    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+    with _reading(src):
+        progress = state.load(meta, opt_state)
     total = header + sum(t.numel() * t.element_size() for t in targets)
-    return int(step), total, dict(extra)
+    return progress, int(total)
 
 
 def _receive(comm: StageComm, src: int, meta: dict[str, Any], targets: list[torch.Tensor]) -> int:
@@ -339,9 +263,9 @@ def _receive(comm: StageComm, src: int, meta: dict[str, Any], targets: list[torc
     return size
 
 
-def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def state_bytes(state: WorkerState) -> int:
     """Bytes of a worker's state (what a transfer moves, less the small description)."""
-    _, tensors, _ = _describe(module, optimizer, 0)
+    _, tensors, _ = state.describe()
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -360,9 +284,9 @@ def send_named(
     tensors: list[torch.Tensor] = list(model.values())
     names = list(model)
     meta_opt = {
-        name: _describe_entry(entry, tensors, names, f"optim.{name}") for name, entry in opt.items()
+        name: describe_entry(entry, tensors, names, f"optim.{name}") for name, entry in opt.items()
     }
-    meta = {"model": [(k, *_tensor_meta(v)[1:]) for k, v in model.items()], "moments": meta_opt}
+    meta = {"model": [(k, *tensor_meta(v)[1:]) for k, v in model.items()], "moments": meta_opt}
     meta["digests"] = _digests(names, tensors)
     header = send_header(comm, dst, meta)
     for t in tensors:
@@ -382,10 +306,11 @@ def recv_named(
     """
     meta, header = recv_header(comm, src)
     with _reading(src):
-        state = {str(k): _empty(shape, dtype, comm.device) for k, shape, dtype in meta["model"]}
+        device = comm.device
+        state = {str(k): _empty(shape, dtype, device) for k, shape, dtype in meta["model"]}
         targets = list(state.values())
         moments = {
-            str(name): _allocate_entry(entry, comm.device, targets)
+            str(name): entry_from(entry, lambda shape, dtype: _empty(shape, dtype, device), targets)
             for name, entry in meta["moments"].items()
         }
     comm.recv_many(targets, src)

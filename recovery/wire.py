@@ -130,7 +130,10 @@ def _untag(obj: Any) -> Any:
         names = {f.name for f in dataclasses.fields(cls)}
         if set(obj["v"]) != names:
             raise GarbledMessage(f"a wire header's {obj['type']} has fields {sorted(obj['v'])}")
-        return cls(**{k: _untag(v) for k, v in obj["v"].items()})
+        try:  # a record checks its fields (`__post_init__`): what it refuses is garbled
+            return cls(**{k: _untag(v) for k, v in obj["v"].items()})
+        except (TypeError, ValueError) as err:
+            raise GarbledMessage(f"a wire header's {obj['type']} does not decode: {err}") from None
     raise GarbledMessage(f"unknown or malformed tag {kind!r} in a wire header")
 
 

@@ -32,11 +32,12 @@ def make(
     steps: int = STEPS,
     snapshot_dir: str | None = None,
     slots: int | None = None,
+    eval_every: int = 0,
 ) -> tuple[Controller, ThreadWorkerGroup]:
     """A started job (generation 0 formed) of ``spec`` on ``top``, set to train ``steps``
     steps with ``faults`` injected, its workers threads spread over ``nodes`` nodes of
     ``slots`` workers each (None: any number; durable snapshots, if the policy takes them,
-    in ``snapshot_dir``)."""
+    in ``snapshot_dir``), evaluating every ``eval_every`` steps (0: never)."""
     policy = policy or RecoveryPolicy()
     group = ThreadWorkerGroup(
         layout_for(spec, top, policy, 1).worker_cls,
@@ -46,7 +47,7 @@ def make(
     controller = Controller(
         spec,
         top,
-        ControllerConfig(backend="gloo", snapshot_dir=snapshot_dir),
+        ControllerConfig(backend="gloo", snapshot_dir=snapshot_dir, eval_every=eval_every),
         policy=policy,
         failures=FailureSchedule(list(faults)),  # type: ignore[arg-type]
         group=group,

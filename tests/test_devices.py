@@ -199,15 +199,16 @@ def test_every_step_reseeds_the_cuda_generators_too(monkeypatch: pytest.MonkeyPa
     generator and every CUDA device's are seeded from the same derived key before each
     step's first draw, so a state transfer or a snapshot carries no RNG bytes for either,
     and a worker rebuilt on a GPU draws what the lost one would have."""
-    from parallelism.seeding import derive_seed, seed_everything
-    from recovery.worker import stage as stage_mod
+    from parallelism.seeding import Randomness, derive_seed
+    from recovery.worker import StageWorker
 
     seeded: list[int] = []
     monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: seeded.append(int(seed)))
     monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: False)
-    seed_everything(0, "step", 1, 0, 7)
+    rng = StageWorker().rng  # what the worker's step seeds (a process's generators)
+    assert type(rng) is Randomness
+    rng.seed(0, "step", 1, 0, 7)
     assert seeded == [derive_seed(0, "step", 1, 0, 7)]
-    assert stage_mod.seed_everything is seed_everything  # what the worker's step calls
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -253,6 +254,7 @@ def test_a_state_transfer_hands_the_backend_the_state_where_it_lives() -> None:
     item 4; the digests of [Note: checked transfers] are still hashed on the host)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from recovery.state import Progress, WorkerState
     from recovery.transfer import recv_state, send_state
     from tests.test_comm import _pair
 
@@ -268,12 +270,13 @@ def test_a_state_transfer_hands_the_backend_the_state_where_it_lives() -> None:
     with ThreadPoolExecutor(1) as pool:
         # local=False: on one host a Gloo transfer on the CPU would skip the backend
         # altogether (recovery/same_host.py); this is about what the backend is handed.
-        sent = pool.submit(send_state, comms[0], 1, modules[0], optimizers[0], 1, local=False)
-        step, _, _ = recv_state(comms[1], 0, modules[1], optimizers[1])
+        source = WorkerState(modules[0], optimizers[0], Progress(1))
+        sent = pool.submit(send_state, comms[0], 1, source, local=False)
+        progress, _ = recv_state(comms[1], 0, WorkerState(modules[1], optimizers[1], Progress()))
         sent.result(timeout=30)
     for c in comms:
         c.close()
-    assert step == 1
+    assert progress.step == 1
     own = [p.data_ptr() for p in modules[0].parameters()]
     moments = [
         v.data_ptr() for s in optimizers[0].state.values() for v in s.values() if v.dim() > 0

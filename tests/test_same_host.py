@@ -22,6 +22,7 @@ from recovery import same_host, transfer
 from recovery.errors import TransferCorrupted
 from recovery.fingerprint import digest
 from recovery.runtime import Phase
+from recovery.state import Progress, WorkerState
 from recovery.transfer import DigestsAhead, recv_state, send_state
 from recovery.worker.reports import is_comm_error
 from tests.jobs import drive, in_threads, make
@@ -33,6 +34,9 @@ from tests.workloads import mlp_spec
 pytestmark = pytest.mark.skipif(
     not same_host.usable(), reason="this kernel does not allow process_vm_readv"
 )
+
+
+PROGRESS = Progress(7)
 
 
 def _state(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -62,16 +66,18 @@ def _transfer(local: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]
     module, optimizer = _state(0)
     other, other_opt = _blank()
     try:
-        sent, (step, nbytes, _) = in_threads(
+        sent, (progress, nbytes) = in_threads(
             [
-                lambda: send_state(comms[0], 1, module, optimizer, 7, local=local),
-                lambda: recv_state(comms[1], 0, other, other_opt),
+                lambda: send_state(
+                    comms[0], 1, WorkerState(module, optimizer, PROGRESS), local=local
+                ),
+                lambda: recv_state(comms[1], 0, WorkerState(other, other_opt, Progress())),
             ]
         )
     finally:
         for comm in comms:
             comm.close()
-    assert (step, nbytes) == (7, sent)
+    assert (progress, nbytes) == (PROGRESS, sent)
     return other, other_opt, nbytes
 
 
@@ -91,12 +97,17 @@ def taken(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
 
 
 def _assert_same(a: tuple[Any, ...], b: tuple[Any, ...]) -> None:
+    """The same bits: every model tensor, and every optimizer entry of either side (an
+    entry one side lacks is a difference, not a pass)."""
     (ma, oa, _), (mb, ob, _) = a, b
+    assert ma.state_dict().keys() == mb.state_dict().keys()
     for x, y in zip(ma.state_dict().values(), mb.state_dict().values(), strict=True):
         assert x.dtype == y.dtype and torch.equal(x, y)
     sa, sb = oa.state_dict(), ob.state_dict()
     assert sa["param_groups"] == sb["param_groups"]
+    assert sa["state"].keys() == sb["state"].keys() and sa["state"], "no optimizer state"
     for key in sa["state"]:
+        assert sa["state"][key].keys() == sb["state"][key].keys(), key
         for name, value in sa["state"][key].items():
             assert torch.equal(value, sb["state"][key][name]), (key, name)
 
@@ -351,8 +362,10 @@ def _send_with(
     try:
         results = in_threads(
             [
-                lambda: send_state(comms[0], 1, module, optimizer, 7, local=local, ahead=ahead),
-                lambda: recv_state(comms[1], 0, other, other_opt),
+                lambda: send_state(
+                    comms[0], 1, WorkerState(module, optimizer, PROGRESS), local=local, ahead=ahead
+                ),
+                lambda: recv_state(comms[1], 0, WorkerState(other, other_opt, Progress())),
             ]
         )
     finally:
@@ -385,7 +398,7 @@ def test_digests_taken_ahead_are_sent_while_the_state_is_unchanged(
 ) -> None:
     """[Note: digests taken ahead]: what a survivor hashed while it waited is sent as is."""
     module, optimizer = _state(0)
-    ahead = DigestsAhead.start(module, optimizer)
+    ahead = DigestsAhead.start(WorkerState(module, optimizer, PROGRESS))
     received = _send_with(module, optimizer, ahead, local)
     assert hashed == []
     _assert_same(received, (*_state(0), 0))
@@ -396,7 +409,7 @@ def test_digests_taken_before_a_write_are_not_used(local: bool, hashed: list[int
     """An in-place write after the digests were taken (torch counts it): the sender hashes
     afresh and the state arrives intact."""
     module, optimizer = _state(0)
-    ahead = DigestsAhead.start(module, optimizer)
+    ahead = DigestsAhead.start(WorkerState(module, optimizer, PROGRESS))
     ahead.thread.join()
     with torch.no_grad():
         next(module.parameters()).add_(1.0)
@@ -410,7 +423,7 @@ def test_a_stale_digest_cannot_pass_bytes_that_changed(local: bool) -> None:
     """A write torch does not count (here through numpy) leaves the digests taken ahead
     stale: the receiver's check refuses the bytes rather than trusting them."""
     module, optimizer = _state(0)
-    ahead = DigestsAhead.start(module, optimizer)
+    ahead = DigestsAhead.start(WorkerState(module, optimizer, PROGRESS))
     ahead.thread.join()
     next(module.parameters()).detach().numpy()[0] += 1.0
     with pytest.raises(TransferCorrupted):

@@ -26,6 +26,7 @@ from recovery.fingerprint import fingerprint, flip_bit, state_tensors
 from recovery.names import Strategy
 from recovery.planner import Redundancy
 from recovery.snapshots import PackedState, pack_state
+from recovery.state import Progress, WorkerState
 from recovery.vote import can_vote, corruption_plan, vote
 from tests.jobs import drive, make
 from tests.workloads import mlp_spec
@@ -96,10 +97,11 @@ def test_a_flip_changes_one_bit_of_one_element_and_leaves_it_finite(seed: int) -
     optimizer = torch.optim.AdamW(module.parameters())
     module(torch.randn(3, 5)).sum().backward()
     optimizer.step()
-    before = {n: t.clone() for n, t in state_tensors(module, optimizer)}
-    what = flip_bit(module, optimizer, seed)
-    assert what == flip_bit_description(module, optimizer, before)
-    after = dict(state_tensors(module, optimizer))
+    state = WorkerState(module, optimizer, Progress())
+    before = {n: t.clone() for n, t in state_tensors(state)}
+    what = flip_bit(state, seed)
+    assert what == flip_bit_description(state, before)
+    after = dict(state_tensors(state))
     changed = [n for n in before if not torch.equal(before[n], after[n])]
     assert len(changed) == 1 and torch.isfinite(after[changed[0]]).all()
     ints = before[changed[0]].view(-1).view(torch.int32) ^ after[changed[0]].view(-1).view(
@@ -107,12 +109,12 @@ def test_a_flip_changes_one_bit_of_one_element_and_leaves_it_finite(seed: int) -
     )
     (index,) = ints.nonzero().flatten().tolist()
     assert bin(int(ints[index])).count("1") == 1 and int(ints[index]) < 1 << 23  # mantissa
-    assert fingerprint(module, optimizer)[changed[0]] != _digests(before)[changed[0]]
-    assert flip_bit(module, optimizer, seed) == what  # the same seed, the same bit
+    assert fingerprint(state)[changed[0]] != _digests(before)[changed[0]]
+    assert flip_bit(state, seed) == what  # the same seed, the same bit
 
 
-def flip_bit_description(module: Any, optimizer: Any, before: dict[str, torch.Tensor]) -> str:
-    for name, tensor in state_tensors(module, optimizer):
+def flip_bit_description(state: WorkerState, before: dict[str, torch.Tensor]) -> str:
+    for name, tensor in state_tensors(state):
         diff = (
             before[name].view(-1).view(torch.int32) ^ tensor.view(-1).view(torch.int32)
         ).nonzero()
@@ -130,7 +132,7 @@ def _digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     module = torch.nn.Module()
     for i, t in enumerate(tensors.values()):
         module.register_parameter(f"p{i}", torch.nn.Parameter(t.clone()))
-    got = fingerprint(module, None)
+    got = fingerprint(WorkerState(module, torch.optim.SGD(module.parameters()), Progress()))
     return {name: got[f"p{i}"] for i, name in enumerate(tensors)}
 
 
@@ -506,12 +508,13 @@ def test_a_snapshot_records_its_digests_and_they_travel_with_it() -> None:
     optimizer = torch.optim.AdamW(module.parameters())
     module(torch.randn(2, 4)).sum().backward()
     optimizer.step()
-    assert pack_state(module, optimizer, 3).digests is None  # off unless asked for
-    packed = pack_state(module, optimizer, 3, digests=True)
+    state = WorkerState(module, optimizer, Progress(3))
+    assert pack_state(state).digests is None  # off unless asked for
+    packed = pack_state(state, digests=True)
     assert packed.digests is not None
     assert (
         dict(zip((s.name for s in packed.layout), packed.digests, strict=True))["weight"]
-        == fingerprint(module, optimizer)["weight"]
+        == fingerprint(state)["weight"]
     )  # the same digest as the vote's
     received = PackedState.from_parts(packed.header(), packed.data.clone())
     assert received.digests == packed.digests and received.corrupted() == ()

@@ -35,6 +35,7 @@ from recovery.snapshots import (
     peer_rollback_step,
     unpack_state,
 )
+from recovery.state import Progress, WorkerState
 
 # DCP warns on every single-process save and load, which is what the durable tier does.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -84,6 +85,11 @@ def assert_same(a: object, b: object, where: str = "state") -> None:
         assert a == b, (where, a, b)
 
 
+def ws(module: nn.Module, optimizer: torch.optim.Optimizer, step: int = 0) -> WorkerState:
+    """A worker's state at ``step`` (see recovery/state.py)."""
+    return WorkerState(module, optimizer, Progress(step))
+
+
 def trained(seed: int, steps: int = 3) -> tuple[nn.Module, torch.optim.Optimizer]:
     module, optimizer = make_worker(seed)
     train(module, optimizer, steps, seed)
@@ -95,7 +101,7 @@ def write_step(store: DurableStore, step: int, world: int, meta: dict | None = N
     handles = []
     for rank in range(world):
         module, optimizer = trained(rank, steps=step)
-        handles.append(store.write(step, rank, module, optimizer, info={"rank": rank}))
+        handles.append(store.write(rank, ws(module, optimizer, step), info={"rank": rank}))
     for handle in handles:
         store.wait(handle)
     store.commit(step, world, meta)
@@ -125,7 +131,7 @@ def test_durable_round_trip_is_bit_exact_and_training_continues_identically(
     for rank in range(2):
         original_module, original_opt = trained(rank, steps=3)
         module, optimizer = make_worker(100 + rank)  # fresh weights, no optimizer state
-        assert store.load(3, rank, module, optimizer) == 3
+        assert store.load(3, rank, ws(module, optimizer)).step == 3
         assert_same(snapshot(original_module, original_opt), snapshot(module, optimizer))
         # the oracle of exact recovery: one more step gives the same state as never failing
         train(original_module, original_opt, 1, seed=7)
@@ -152,12 +158,12 @@ def test_a_flipped_byte_is_detected_and_the_previous_snapshot_is_used(
     module, optimizer = make_worker(9)
     before = snapshot(module, optimizer)
     with pytest.raises(SnapshotCorrupted, match=victim.name) as info:
-        store.load(4, 1, module, optimizer)
+        store.load(4, 1, ws(module, optimizer))
     assert isinstance(info.value, RecoveryError)
     assert_same(before, snapshot(module, optimizer))  # nothing was loaded
-    assert store.load(4, 0, module, optimizer) == 4  # the other rank's files are fine
+    assert store.load(4, 0, ws(module, optimizer)).step == 4  # the other rank's files are fine
     assert store.newest_intact(2) == 2
-    assert store.load(2, 1, module, optimizer) == 2
+    assert store.load(2, 1, ws(module, optimizer)).step == 2
 
 
 @pytest.mark.parametrize("damage", ["delete", "truncate", "manifest", "complete"])
@@ -185,7 +191,7 @@ def test_missing_truncated_or_altered_files_are_detected(store: DurableStore, da
     problems = store.verify(4, 2)
     assert problems and expected in problems[0], problems
     with pytest.raises(SnapshotCorrupted, match=expected):
-        store.load(4, 0, *make_worker(0))
+        store.load(4, 0, ws(*make_worker(0)))
     assert store.newest_intact(2) == 2
 
 
@@ -194,7 +200,7 @@ def test_no_intact_snapshot_gives_none_and_a_clear_error(store: DurableStore) ->
     with pytest.raises(FileNotFoundError, match="no complete durable snapshot"):
         store.require_intact(2)
     with pytest.raises(FileNotFoundError, match="step 5"):
-        store.load(5, 0, *make_worker(0))
+        store.load(5, 0, ws(*make_worker(0)))
     write_step(store, 5, world=2)
     (checkpoint_path(store.root, 5, 1) / ".metadata").unlink()
     assert store.newest_intact(2) is None
@@ -207,10 +213,10 @@ def test_no_intact_snapshot_gives_none_and_a_clear_error(store: DurableStore) ->
 def test_a_step_without_complete_is_torn_and_never_loaded(store: DurableStore) -> None:
     write_step(store, 2, world=2)
     module, optimizer = trained(0, steps=6)
-    store.wait(store.write(6, 0, module, optimizer))  # rank 1 never finishes step 6
+    store.wait(store.write(0, ws(module, optimizer, 6)))  # rank 1 never finishes step 6
     assert store.steps() == [2] and store.newest_intact(2) == 2
     with pytest.raises(FileNotFoundError, match="step 6"):
-        store.load(6, 0, *make_worker(0))
+        store.load(6, 0, ws(*make_worker(0)))
     with pytest.raises(FileNotFoundError, match=r"ranks \[1\]"):
         store.commit(6, 2)
     # an interrupted write leaves only a .tmp folder, which is not a rank's
@@ -236,7 +242,7 @@ def test_prune_keeps_the_newest_and_the_newest_intact(store: DurableStore) -> No
     for step in (3, 4):
         (checkpoint_path(store.root, step, 0) / ".metadata").unlink()
     module, optimizer = trained(0, steps=5)
-    store.wait(store.write(5, 0, module, optimizer))  # torn, newer: maybe in flight
+    store.wait(store.write(0, ws(module, optimizer, 5)))  # torn, newer: maybe in flight
     (step_path(store.root, 0) / "rank_0000.tmp").mkdir(parents=True)  # torn, abandoned
     assert store.prune(keep=1) == [0, 1, 3]
     assert store.steps() == [4, 2]  # the newest, and the newest intact
@@ -252,9 +258,9 @@ def test_after_a_rollback_newer_snapshots_are_discarded_before_rewriting(
     write_step(store, 4, world=1)
     module, optimizer = trained(0, steps=4)
     with pytest.raises(FileExistsError, match="discard_after"):
-        store.write(4, 0, module, optimizer)
+        store.write(0, ws(module, optimizer, 4))
     assert store.discard_after(2) == [4]
-    store.wait(store.write(4, 0, module, optimizer))
+    store.wait(store.write(0, ws(module, optimizer, 4)))
     store.commit(4, 1)
     assert store.steps() == [4, 2]
 
@@ -267,7 +273,7 @@ def test_async_write_does_not_block_and_snapshots_the_state_at_the_call(
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
     train(module, optimizer, 1, seed=0)
     expected = snapshot(module, optimizer)
-    handle = store.write(1, 0, module, optimizer)
+    handle = store.write(0, ws(module, optimizer, 1))
     train(module, optimizer, 1, seed=1)  # training goes on while the write runs
     assert len(store.pending()) <= 1
     result = store.wait(handle)
@@ -281,11 +287,11 @@ def test_async_write_does_not_block_and_snapshots_the_state_at_the_call(
     store.commit(1, 1)
     fresh = nn.Sequential(nn.Linear(1280, 1280), nn.Linear(1280, 1280))
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
-    store.load(1, 0, fresh, fresh_opt)
+    store.load(1, 0, ws(fresh, fresh_opt))
     assert_same(expected, snapshot(fresh, fresh_opt))  # not the state after the later step
     # at most one write per rank in flight: the next waits for the previous
-    first = store.write(2, 0, module, optimizer)
-    second = store.write(3, 0, module, optimizer)
+    first = store.write(0, ws(module, optimizer, 2))
+    second = store.write(0, ws(module, optimizer, 3))
     assert first.done() and store.pending() in ([], [second])
     store.wait(second)
 
@@ -293,14 +299,14 @@ def test_async_write_does_not_block_and_snapshots_the_state_at_the_call(
 def test_bad_arguments_are_rejected(store: DurableStore) -> None:
     module, optimizer = make_worker(0)
     with pytest.raises(ValueError, match="step"):
-        store.write(-1, 0, module, optimizer)
+        store.write(0, ws(module, optimizer, -1))
     with pytest.raises(ValueError, match="rank"):
-        store.write(0, True, module, optimizer)  # type: ignore[arg-type]
+        store.write(True, ws(module, optimizer, 0))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="world_size"):
         store.verify(0, 0)
     write_step(store, 1, world=1)
     with pytest.raises(ValueError, match="rank 1 is not in"):
-        store.load(1, 1, module, optimizer)
+        store.load(1, 1, ws(module, optimizer))
 
 
 # -- peer tier: packing -------------------------------------------------------------------
@@ -309,36 +315,36 @@ def test_bad_arguments_are_rejected(store: DurableStore) -> None:
 def test_pack_unpack_is_bit_exact_and_shares_no_memory() -> None:
     module, optimizer = trained(0, steps=3)
     expected = snapshot(module, optimizer)
-    packed = pack_state(module, optimizer, 3)
+    packed = pack_state(ws(module, optimizer, 3))
     assert packed.data.dtype == torch.uint8 and packed.data.dim() == 1
     train(module, optimizer, 2, seed=5)  # the copy was taken: later steps do not leak in
 
     # it travels as header + one tensor
     received = type(packed).from_parts(packed.header(), packed.data.clone())
     fresh, fresh_opt = make_worker(42)
-    assert unpack_state(received, fresh, fresh_opt) == 3
+    assert unpack_state(received, ws(fresh, fresh_opt)).step == 3
     assert_same(expected, snapshot(fresh, fresh_opt))
     assert fresh_opt.state_dict()["state"][0]["step"] == torch.tensor(3.0)
 
     train(fresh, fresh_opt, 2, seed=5)  # training after unpacking leaves the snapshot alone
     again, again_opt = make_worker(43)
-    unpack_state(received, again, again_opt)
+    unpack_state(received, ws(again, again_opt))
     assert_same(expected, snapshot(again, again_opt))
     assert_same(snapshot(module, optimizer), snapshot(fresh, fresh_opt))  # same continuation
 
 
 def test_pack_reuses_a_spent_buffer() -> None:
     module, optimizer = trained(0, steps=3)
-    old = pack_state(module, optimizer, 3)
+    old = pack_state(ws(module, optimizer, 3))
     train(module, optimizer, 1, seed=9)
     expected = snapshot(module, optimizer)
-    packed = pack_state(module, optimizer, 4, out=old.data)
+    packed = pack_state(ws(module, optimizer, 4), out=old.data)
     assert packed.data.data_ptr() == old.data.data_ptr()
     fresh, fresh_opt = make_worker(1)
-    assert unpack_state(packed, fresh, fresh_opt) == 4
+    assert unpack_state(packed, ws(fresh, fresh_opt)).step == 4
     assert_same(expected, snapshot(fresh, fresh_opt))
     small = torch.empty(8, dtype=torch.uint8)
-    assert pack_state(module, optimizer, 4, out=small).data.data_ptr() != small.data_ptr()
+    assert pack_state(ws(module, optimizer, 4), out=small).data.data_ptr() != small.data_ptr()
 
 
 class _Event:
@@ -352,7 +358,7 @@ class _Event:
 
 
 def test_a_cpu_state_is_packed_synchronously_into_plain_memory() -> None:
-    packed = pack_state(*trained(0), step=3)
+    packed = pack_state(ws(*trained(0), 3))
     assert packed.ready is None and not packed.data.is_pinned()
     assert packed.wait() is packed
 
@@ -366,11 +372,11 @@ def test_every_reader_of_a_packed_copy_waits_for_the_copy_first() -> None:
     from recovery.worker.keeper import SnapshotKeeper
 
     module, optimizer = trained(0, steps=3)
-    packed = pack_state(module, optimizer, 3, digests=True)
+    packed = pack_state(ws(module, optimizer, 3), digests=True)
 
     pending = replace(packed, ready=_Event())
     assert pending.corrupted() == () and pending.ready.synchronized == 1
-    unpack_state(pending, *make_worker(1))
+    unpack_state(pending, ws(*make_worker(1)))
     assert pending.ready.synchronized == 2
 
     pending = replace(packed, ready=_Event())
@@ -392,24 +398,24 @@ def test_a_gpu_state_is_packed_asynchronously_into_pinned_memory() -> None:
     module.cuda()
     optimizer.load_state_dict(optimizer.state_dict())  # moves the moments to the GPU
     expected = snapshot(module, optimizer)
-    packed = pack_state(module, optimizer, 3)
+    packed = pack_state(ws(module, optimizer, 3))
     assert packed.data.is_pinned() and packed.ready is not None
     with torch.no_grad():  # queued after the copies: cannot leak into them
         for p in module.parameters():
             p.add_(1.0)
     fresh, fresh_opt = make_worker(42)
     fresh.cuda()
-    unpack_state(packed, fresh, fresh_opt)
+    unpack_state(packed, ws(fresh, fresh_opt))
     assert_same(expected, snapshot(fresh, fresh_opt))
 
 
 def test_unpack_refuses_another_stage_before_changing_anything() -> None:
-    packed = pack_state(*trained(0), step=3)
+    packed = pack_state(ws(*trained(0), 3))
     other = nn.Sequential(nn.Linear(8, 8))
     other_opt = torch.optim.AdamW(other.parameters())
     before = snapshot(other, other_opt)
     with pytest.raises(ValueError, match="does not match this module"):
-        unpack_state(packed, other, other_opt)
+        unpack_state(packed, ws(other, other_opt))
     assert_same(before, snapshot(other, other_opt))
     with pytest.raises(ValueError, match="uint8"):
         type(packed).from_parts(packed.header(), packed.data[:10])
@@ -514,7 +520,7 @@ def test_buddy_of_rejects_bad_input() -> None:
 
 def test_peer_snapshots_keep_a_bounded_number_of_steps() -> None:
     held = PeerSnapshots(keep=2)
-    packs = {s: pack_state(*trained(0, steps=1), step=s) for s in (10, 20, 30)}
+    packs = {s: pack_state(ws(*trained(0, steps=1), s)) for s in (10, 20, 30)}
     held.put(10, 0, packs[10])
     held.put(10, 1, packs[10])
     held.put(20, 0, packs[20])
@@ -590,7 +596,7 @@ def test_a_ring_of_peer_snapshots_rolls_everyone_back_exactly() -> None:
     for step in (10, 20, 30):
         for rank, (module, optimizer) in workers.items():
             train(module, optimizer, 10, seed=rank * 1000 + step)
-            packed = pack_state(module, optimizer, step)
+            packed = pack_state(ws(module, optimizer, step))
             stores[rank].put(step, rank, packed)  # its own copy
             if step < 30 or rank in (0, 1):  # the exchange of step 30 is cut short
                 stores[mapping[rank]].put(step, rank, packed)  # its buddy's copy
@@ -609,7 +615,7 @@ def test_a_ring_of_peer_snapshots_rolls_everyone_back_exactly() -> None:
             assert mapping[rank] in alive
             source = stores[mapping[rank]].get(step, rank)
         module, optimizer = make_worker(1000 + rank)
-        assert unpack_state(source, module, optimizer) == 20
+        assert unpack_state(source, ws(module, optimizer)).step == 20
         assert_same(expected[rank], snapshot(module, optimizer))
     for s in stores.values():
         s.discard_after(step)

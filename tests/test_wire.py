@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from parallelism import Topology
 from parallelism.comm import GarbledMessage, StageComm
 from recovery.snapshots.packing import PackedState, pack_state, unpack_state
+from recovery.state import Progress, Rebuild, WorkerState
 from recovery.transfer import recv_named, recv_state, send_state
 from recovery.wire import decode, encode, tensor_spec
 from recovery.worker.reports import is_comm_error
@@ -34,10 +35,12 @@ def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 def test_an_optimizer_state_round_trips_exactly() -> None:
     _, optimizer = _trained()
     state = optimizer.state_dict()
-    back = decode(encode({**state, "extra": {"rebuilt_at": None, "inf": math.inf}}))
+    progress = Progress(4, Rebuild(2, 1.1, None, 0))
+    back = decode(encode({**state, "progress": progress, "extra": {"at": None, "inf": math.inf}}))
     assert back["param_groups"] == state["param_groups"]  # tuples (betas) stay tuples
     assert back["param_groups"][0]["betas"] == (0.9, 0.95)
-    assert back["extra"] == {"rebuilt_at": None, "inf": math.inf}
+    assert back["progress"] == progress  # a record, nested records included
+    assert back["extra"] == {"at": None, "inf": math.inf}
     for index, entry in state["state"].items():  # int keys survive
         for key, value in entry.items():
             assert torch.equal(back["state"][index][key], value) or value.numel() > 64
@@ -85,13 +88,14 @@ def test_a_pickle_is_never_run(tmp_path: Path) -> None:
 
 def test_a_packed_snapshot_header_round_trips_and_garbage_is_refused() -> None:
     module, optimizer = _trained()
-    packed = pack_state(module, optimizer, 7)
+    progress = Progress(7, Rebuild(5, 1.1, None, 2))
+    packed = pack_state(WorkerState(module, optimizer, progress))
     again = PackedState.from_parts(packed.header(), packed.data.clone())
     other, other_opt = _trained()
     with torch.no_grad():
         for p in other.parameters():
             p.add_(1.0)
-    assert unpack_state(again, other, other_opt) == 7
+    assert unpack_state(again, WorkerState(other, other_opt, Progress())) == progress
     for a, b in zip(module.state_dict().values(), other.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     bad = packed.header().replace(b'"nbytes":', b'"nbytes":1', 1)  # a slot that does not fit
@@ -124,7 +128,10 @@ def test_a_garbage_state_header_is_a_communication_error(sent: list[torch.Tensor
     module, optimizer = _trained()
     try:
         _, got = in_threads(
-            [lambda: _garbage(comms[0], *sent), lambda: recv_state(comms[1], 0, module, optimizer)]
+            [
+                lambda: _garbage(comms[0], *sent),
+                lambda: recv_state(comms[1], 0, WorkerState(module, optimizer, Progress())),
+            ]
         )
         assert isinstance(got, GarbledMessage), got
         assert is_comm_error(got)
@@ -172,15 +179,15 @@ def test_a_state_transfer_round_trips_over_gloo() -> None:
     with torch.no_grad():
         for p in other.parameters():
             p.zero_()
+    progress = Progress(5, Rebuild(3, 1.2, 10, 0))
     try:
         sent, got = in_threads(
             [
-                lambda: send_state(comms[0], 1, module, optimizer, 5, {"rebuilt_at": 3}),
-                lambda: recv_state(comms[1], 0, other, other_opt),
+                lambda: send_state(comms[0], 1, WorkerState(module, optimizer, progress)),
+                lambda: recv_state(comms[1], 0, WorkerState(other, other_opt, Progress())),
             ]
         )
-        step, nbytes, extra = got
-        assert (step, extra, nbytes) == (5, {"rebuilt_at": 3}, sent)
+        assert got == (progress, sent)
         for a, b in zip(module.state_dict().values(), other.state_dict().values(), strict=True):
             assert torch.equal(a, b)
         assert other_opt.state_dict()["param_groups"] == optimizer.state_dict()["param_groups"]

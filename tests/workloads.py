@@ -135,3 +135,43 @@ class TokenSequences(torch.utils.data.Dataset):  # type: ignore[type-arg]
         g = torch.Generator().manual_seed(7_919 * index + 1)
         tokens = torch.randint(self.vocab, (self.length + 1,), generator=g)
         return tokens[:-1], tokens[1:]
+
+
+# -- models with buffers and dropout, on image data ------------------------------------------
+
+
+def bn_cnn_spec(per_replica: int = 8, microbatches: int = 2, **overrides) -> TrainSpec:  # type: ignore[no-untyped-def]
+    """A CNN with BatchNorm and dropout in every stage (`bn_cnn_stage`), on generated shape
+    images that a random flip augments, with held-out images to evaluate on."""
+    from parallelism.workloads.shapes import Shapes, bn_cnn_stage
+    from recovery import batches_from_dataset
+
+    kwargs = dict(
+        build_stage=bn_cnn_stage,
+        loss_fn=nn.functional.cross_entropy,
+        make_optimizer=functools.partial(torch.optim.AdamW, lr=3e-3),
+        batches=batches_from_dataset(Shapes(512, augment=True), per_replica),
+        val_batches=batches_from_dataset(Shapes(64, seed=1), per_replica, shuffle=False),
+        microbatches=microbatches,
+        name="bn-cnn",
+    )
+    kwargs.update(overrides)
+    return TrainSpec(**kwargs)
+
+
+class MaskedPairs(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Items whose input and target come from one random draw of torch's global generator
+    (as a masking or augmenting dataset's do): ``(x * mask, mask)``. A stage that drew
+    another mask than its pipeline's other end sees a target that does not fit its input."""
+
+    def __init__(self, size: int = 64, width: int = 16) -> None:
+        self.size, self.width = size, width
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(index)
+        x = torch.randn(self.width, generator=g)
+        mask = (torch.rand(self.width) < 0.5).float()  # the global generator
+        return x * mask, mask

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from parallelism.seeding import GENERATORS_LOCK, ThreadRandomness
 from recovery.runtime.group import (
     CONTROL_METHODS,
     Call,
@@ -51,7 +52,6 @@ log = logging.getLogger("checkfree")
 _SEEDING = frozenset({"setup", "warm", "rebuild"})
 """Methods that seed torch's global RNG and build from it: one at a time in a process
 whose workers share that RNG (under Ray each worker has a process of its own)."""
-_SEEDING_LOCK = threading.Lock()
 
 
 class _ThreadKilled(BaseException):
@@ -71,6 +71,10 @@ def _thread_class(worker_cls: type[StageWorker]) -> type[StageWorker]:
 def _make_thread_class(worker_cls: type[StageWorker]) -> type[StageWorker]:
     class Threaded(worker_cls):  # type: ignore[valid-type, misc]
         released: threading.Event
+
+        def __init__(self, threads: int = 1) -> None:
+            super().__init__(threads)
+            self.rng = ThreadRandomness()  # streams of its own, as a process has
 
         def _die(self) -> None:
             raise _ThreadKilled
@@ -322,7 +326,7 @@ class ThreadWorkerGroup(WorkerGroup):
             threading.Timer(delay, self._kill, (worker,)).start()
         try:
             if method in _SEEDING:
-                with _SEEDING_LOCK:
+                with GENERATORS_LOCK:
                     out = getattr(worker.worker, method)(*args)
             else:
                 out = getattr(worker.worker, method)(*args)

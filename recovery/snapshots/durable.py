@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from parallelism.checks import check_index
 from recovery.checkpoint import (
@@ -42,7 +41,6 @@ from recovery.checkpoint import (
     fsync_dir,
     load_worker_state,
     step_path,
-    worker_state_dict,
     write_json_atomic,
 )
 from recovery.errors import SnapshotCorrupted
@@ -54,6 +52,7 @@ from recovery.snapshots.folder import (
     SnapshotFolder,
     file_digest,
 )
+from recovery.state import Progress, WorkerState, dcp_state
 
 __all__ = [
     "COMPLETE",
@@ -143,15 +142,14 @@ class DurableStore(SnapshotFolder):
 
     def write(
         self,
-        step: int,
         rank: int,
-        module: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        state: WorkerState,
         *,
         info: Mapping[str, Any] | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
     ) -> WriteHandle:
-        """Start writing worker ``rank``'s state at ``step``; return once it is staged.
+        """Start writing worker ``rank``'s whole state, under its step; return once it is
+        staged.
 
         The caller is held only while DCP copies every tensor to fresh CPU memory (on a
         CPU worker that is a memory copy of the whole state); writing the files, fsync,
@@ -164,7 +162,7 @@ class DurableStore(SnapshotFolder):
             timeout: how long to wait for this rank's previous write.
 
         Raises:
-            ValueError: for a negative step or rank, or ``info`` that is not JSON-able.
+            ValueError: for a negative rank, or ``info`` that is not JSON-able.
             FileExistsError: if ``step`` is already complete (after a rollback, call
                 `discard_after` before snapshots of later steps are taken again).
             TimeoutError: if the previous write is not done within ``timeout``.
@@ -172,7 +170,7 @@ class DurableStore(SnapshotFolder):
         """
         if self._closed:
             raise RuntimeError(f"durable store {self.root} is closed")
-        check_index("step", step)
+        step = state.step
         check_index("rank", rank)
         extra = dict(info or {})
         try:
@@ -206,7 +204,7 @@ class DurableStore(SnapshotFolder):
 
         try:
             response = dcp.async_save(
-                worker_state_dict(module, optimizer, step),
+                dcp_state(state),
                 checkpoint_id=tmp,
                 no_dist=True,
                 async_checkpointer_type=AsyncCheckpointerType.THREAD,
@@ -301,11 +299,10 @@ class DurableStore(SnapshotFolder):
 
     # -- loading (workers) ----------------------------------------------------------------
 
-    def load(
-        self, step: int, rank: int, module: nn.Module, optimizer: torch.optim.Optimizer
-    ) -> int:
+    def load(self, step: int, rank: int, state: WorkerState) -> Progress:
         """Verify worker ``rank``'s files of ``step`` (every byte), then load them into
-        ``module`` and ``optimizer``. Returns the step (= the data cursor).
+        ``state``'s module and optimizer. Returns the progress they hold (for the caller to
+        adopt; its step is ``step``).
 
         Raises:
             ValueError: for a bad step or rank, or a rank outside the snapshot's job.
@@ -328,9 +325,9 @@ class DurableStore(SnapshotFolder):
                 f"not loaded: {'; '.join(problems)}. Roll back to an older intact snapshot "
                 "(DurableStore.newest_intact)."
             )
-        loaded = load_worker_state(checkpoint_path(self.root, step, rank), module, optimizer)
-        if loaded != step:
+        loaded = load_worker_state(checkpoint_path(self.root, step, rank), state)
+        if loaded.step != step:
             raise SnapshotCorrupted(
-                f"{checkpoint_path(self.root, step, rank)}: holds step {loaded}, not {step}"
+                f"{checkpoint_path(self.root, step, rank)}: holds step {loaded.step}, not {step}"
             )
         return loaded

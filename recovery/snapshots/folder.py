@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST.json"
 COMPLETE = "COMPLETE.json"
-FORMAT = 1
-"""Version of the manifest and COMPLETE.json layout."""
+FORMAT = 2
+"""Version of the manifest and COMPLETE.json layout, and of what a rank's files hold (2:
+the whole worker state of recovery/state.py, its progress included; 1 had the step only)."""
 HASH = "sha256"
 """Checksum of every file (hardware-accelerated on current CPUs: ~1.3 GB/s per core)."""
 _CHUNK = 4 << 20

@@ -13,16 +13,14 @@ holder's memory or on the way is found (`PackedState.corrupted`) before it is re
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
-from parallelism.checks import check_index
 from parallelism.comm import GarbledMessage
 from recovery.fingerprint import digest
+from recovery.state import Progress, WorkerState
 from recovery.wire import decode, encode, record, tensor_spec
 
 __all__ = ["PackedState", "TensorSlot", "pack_state", "unpack_state"]
@@ -42,36 +40,37 @@ class TensorSlot:
     nbytes: int
 
 
-@record
-@dataclass(frozen=True)
-class _Ref:
-    """Stands for tensor ``index`` of the layout inside the optimizer's description."""
-
-    index: int
-
-
 @dataclass(frozen=True, eq=False)
 class PackedState:
-    """A worker's state (module, optimizer, step) as one contiguous byte tensor.
+    """A worker's whole state (see [Note: one worker state] in recovery/state.py) as one
+    contiguous byte tensor and the description a live transfer sends.
 
     ``data`` is what travels (a single send/recv); `header` is the small rest, in the
     JSON wire format of `recovery.wire` (a received header is never unpickled).
     """
 
-    step: int
+    meta: dict[str, Any]
+    """`WorkerState.describe`'s description: the model's tensors, the optimizer's
+    structure and the progress."""
     data: torch.Tensor
     """uint8, 1-D, contiguous: every tensor's bytes, each at a 64-byte-aligned offset."""
     layout: tuple[TensorSlot, ...]
-    """The model's state_dict tensors (in order), then the optimizer's."""
-    model_tensors: int
-    """How many leading entries of ``layout`` belong to the module."""
-    optimizer: dict[str, Any]
-    """``optimizer.state_dict()`` with every tensor replaced by a reference into ``layout``."""
+    """Where each tensor the description lists lives in ``data``, in its order."""
     digests: tuple[str, ...] | None = None
     """The digest of each slot's bytes when it was packed (None: not recorded)."""
     ready: Any = field(default=None, compare=False, repr=False)
     """A CUDA event recorded after the copies from the GPU into ``data`` were queued (None:
     ``data`` is complete already); see `wait`."""
+
+    @property
+    def progress(self) -> Progress:
+        progress = self.meta["progress"]
+        assert isinstance(progress, Progress)
+        return progress
+
+    @property
+    def step(self) -> int:
+        return self.progress.step
 
     @property
     def nbytes(self) -> int:
@@ -87,7 +86,7 @@ class PackedState:
 
     def header(self) -> bytes:
         """Everything but ``data``, encoded for the wire: send it first, then ``data``."""
-        return encode((self.step, self.layout, self.model_tensors, self.optimizer, self.digests))
+        return encode((self.meta, self.layout, self.digests))
 
     def corrupted(self) -> tuple[str, ...]:
         """The slots whose bytes no longer match the digests recorded when this state was
@@ -107,16 +106,14 @@ class PackedState:
 
         Raises:
             GarbledMessage: if the header is not one `header` makes (its slots must fit
-                their shapes and dtypes, and its references the layout).
+                their shapes and dtypes, and the description's tensors the slots).
             ValueError: if ``data`` is not a 1-D uint8 tensor of the size the header needs.
         """
         parts = decode(header)
-        if not (isinstance(parts, tuple) and len(parts) == 5):
-            raise GarbledMessage(
-                "a packed-state header that is not (step, layout, count, optimizer, digests)"
-            )
-        step, layout, model_tensors, optimizer, digests = parts
-        _check_layout(step, layout, model_tensors)
+        if not (isinstance(parts, tuple) and len(parts) == 3):
+            raise GarbledMessage("a packed-state header that is not (description, layout, digests)")
+        meta, layout, digests = parts
+        _check_layout(meta, layout)
         if digests is not None and not (
             isinstance(digests, tuple)
             and len(digests) == len(layout)
@@ -129,18 +126,36 @@ class PackedState:
                 f"packed state data must be 1-D uint8 of at least {need} bytes, got "
                 f"{data.dtype} {tuple(data.shape)}"
             )
-        return cls(step, data, layout, model_tensors, optimizer, digests)
+        return cls(meta, data, layout, digests)
 
 
-def _check_layout(step: object, layout: object, model_tensors: object) -> None:
-    """A received layout describes tensors this runtime could have packed."""
-    ints = (step, model_tensors)
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints):
-        raise GarbledMessage(f"a packed-state header with step {step!r}, count {model_tensors!r}")
+def _described(meta: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
+    """The tensors a description lists, in order: ``(shape, dtype)`` as the slots hold them
+    (names aside: a slot is named as the description's tensors are)."""
+    shapes = [(str(name), tuple(shape), str(dtype)) for name, shape, dtype in meta["model"]]
+    for index, entry in meta["optimizer"]["state"].items():
+        for key, (kind, *rest) in entry.items():
+            if kind == "tensor":
+                shape, dtype = rest
+                shapes.append((f"optim.{index}.{key}", tuple(shape), str(dtype)))
+    return shapes
+
+
+def _check_layout(meta: object, layout: object) -> None:
+    """A received layout describes tensors this runtime could have packed, the ones its
+    description lists."""
     if not (isinstance(layout, tuple) and all(isinstance(s, TensorSlot) for s in layout)):
         raise GarbledMessage("a packed-state header whose layout is not a tuple of slots")
-    if model_tensors > len(layout):  # type: ignore[operator]
-        raise GarbledMessage(f"a packed-state header of {len(layout)} slots, {model_tensors} model")
+    try:
+        if not (isinstance(meta, dict) and isinstance(meta["progress"], Progress)):
+            raise TypeError("no progress")
+        described = _described(meta)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise GarbledMessage(
+            f"a packed-state header whose description does not fit: {err!r}"
+        ) from None
+    if [(s.shape, s.dtype) for s in layout] != [(shape, dtype) for _, shape, dtype in described]:
+        raise GarbledMessage("a packed-state header whose slots are not the tensors it describes")
     for slot in layout:
         shape, dtype = tensor_spec(list(slot.shape), slot.dtype)
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -152,45 +167,21 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _flatten(obj: Any, found: list[tuple[str, torch.Tensor]], where: str) -> Any:
-    """``obj`` with every tensor replaced by a `_Ref`; the tensors appended to ``found``."""
-    if isinstance(obj, torch.Tensor):
-        found.append((where, obj))
-        return _Ref(len(found) - 1)
-    if isinstance(obj, dict):
-        return {k: _flatten(v, found, f"{where}.{k}") for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_flatten(v, found, f"{where}.{i}") for i, v in enumerate(obj))
-    return obj
-
-
-def _unflatten(obj: Any, tensor: Callable[[int], torch.Tensor]) -> Any:
-    if isinstance(obj, _Ref):
-        return tensor(obj.index)
-    if isinstance(obj, dict):
-        return {k: _unflatten(v, tensor) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_unflatten(v, tensor) for v in obj)
-    return obj
-
-
 def _view(data: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
     raw = data[slot.offset : slot.offset + slot.nbytes]
     return raw.view(getattr(torch, slot.dtype)).view(slot.shape)
 
 
 def pack_state(
-    module: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    step: int,
+    state: WorkerState,
     *,
     device: torch.device | str = "cpu",
     out: torch.Tensor | None = None,
     digests: bool = False,
 ) -> PackedState:
-    """Copy a worker's state into one contiguous byte tensor on ``device`` (host memory by
-    default: that is where a buddy keeps it). The copy is taken now; later updates to
-    the module or optimizer do not change it.
+    """Copy a worker's whole state into one contiguous byte tensor on ``device`` (host
+    memory by default: that is where a buddy keeps it). The copy is taken now; later
+    updates to the module or optimizer do not change it.
 
     A state on a GPU is copied into *pinned* host memory asynchronously (``non_blocking``:
     DMAs queued on the GPU's current stream, so the optimizer step queued after them cannot
@@ -206,14 +197,9 @@ def pack_state(
             large enough, ignored otherwise. Nothing else may still read it.
         digests: record the digest of each tensor's packed bytes (`PackedState.corrupted`
             checks them), at the cost of hashing the state once.
-
-    Raises:
-        ValueError: for a negative step.
     """
-    check_index("step", step)
-    tensors: list[tuple[str, torch.Tensor]] = list(module.state_dict().items())
-    model_tensors = len(tensors)
-    optimizer_desc = _flatten(optimizer.state_dict(), tensors, "optimizer")
+    meta, found, names = state.describe()
+    tensors = list(zip(names, found, strict=True))
     layout = []
     offset = 0
     for name, t in tensors:
@@ -245,12 +231,12 @@ def pack_state(
     if gpu is not None:
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(gpu))
-    packed = PackedState(step, data, tuple(layout), model_tensors, optimizer_desc, None, ready)
+    packed = PackedState(meta, data, tuple(layout), None, ready)
     if not digests:
         return packed
     packed.wait()  # the digests read the bytes
     recorded = tuple(digest(data[slot.offset : slot.offset + slot.nbytes]) for slot in layout)
-    return PackedState(step, data, tuple(layout), model_tensors, optimizer_desc, recorded)
+    return PackedState(meta, data, tuple(layout), recorded)
 
 
 def _gpu_to_host(
@@ -263,36 +249,26 @@ def _gpu_to_host(
     return next((t.device for _, t in tensors if t.is_cuda), None)
 
 
-def unpack_state(packed: PackedState, module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Replace ``module``'s and ``optimizer``'s state with ``packed``'s, bit for bit.
-    Returns its step. The result shares no memory with ``packed``.
+def unpack_state(packed: PackedState, state: WorkerState) -> Progress:
+    """Replace ``state``'s module and optimizer state with ``packed``'s, bit for bit, and
+    return its progress (for the caller to adopt). The result shares no memory with
+    ``packed``.
 
     Raises:
         ValueError: if ``packed`` is another stage's or model's state (different names,
             shapes, dtypes or parameter groups), before anything is changed.
     """
     packed.wait()
-    model = module.state_dict()
-    expected = [(k, tuple(v.shape), _dtype_name(v.dtype)) for k, v in model.items()]
-    got = [(s.name, s.shape, s.dtype) for s in packed.layout[: packed.model_tensors]]
-    if expected != got:
-        diff = next(
-            (f"{e} vs {g}" for e, g in zip(expected, got, strict=False) if e != g),
-            f"{len(expected)} tensors vs {len(got)}",
-        )
-        raise ValueError(f"packed state does not match this module: first difference {diff}")
-    groups = [len(g["params"]) for g in optimizer.param_groups]
-    packed_groups = [len(g["params"]) for g in packed.optimizer["param_groups"]]
-    if groups != packed_groups:
-        raise ValueError(
-            f"packed optimizer state has parameter groups of sizes {packed_groups}, this "
-            f"optimizer {groups}"
-        )
+    meta = packed.meta
+    targets = state.model_targets(meta)
+    state.check_groups(meta)
+    slots = iter(packed.layout)
     with torch.no_grad():
-        for slot, key in zip(packed.layout, model, strict=False):
-            model[key].copy_(_view(packed.data, slot))
+        for target, slot in zip(targets, slots, strict=False):
+            target.copy_(_view(packed.data, slot))
     # Optimizer.load_state_dict keeps tensors that already have the right dtype and
     # device, so each one is cloned: the snapshot must stay unchanged by later steps.
-    state = _unflatten(packed.optimizer, lambda i: _view(packed.data, packed.layout[i]).clone())
-    optimizer.load_state_dict(state)
-    return packed.step
+    opt_state = state.optimizer_state(
+        meta, lambda shape, dtype: _view(packed.data, next(slots)).clone()
+    )
+    return state.load(meta, opt_state)

@@ -23,6 +23,7 @@ from recovery.snapshots import (
     WriteHandle,
     pack_state,
 )
+from recovery.state import Progress, WorkerState
 from recovery.wire import MAX_HEADER_BYTES, MAX_TENSOR_BYTES
 
 __all__ = ["SnapshotKeeper"]
@@ -84,23 +85,22 @@ class SnapshotKeeper:
 
     def take(
         self,
-        step: int,
         rank: int,
-        module: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        state: WorkerState,
         comm: StageComm | None,
         buddy: int | None,
         ward: int | None,
         digests: bool = False,
     ) -> None:
-        """Keep a packed copy of ``rank``'s state at ``step``; swap copies with buddy and ward.
+        """Keep a packed copy of ``rank``'s state (at its step); swap copies with buddy and ward.
 
         The copy is packed now (so the next step cannot leak into it); the swap runs on a
         background thread over the side group, overlapped with training. ``digests``:
         record the fingerprint it is taken with (`PackedState.corrupted` checks it).
         """
         self.join_exchange()
-        packed = pack_state(module, optimizer, step, digests=digests)
+        packed = pack_state(state, digests=digests)
+        step = packed.step
         self.peer.put(step, rank, packed)
         if comm is not None and buddy is not None and ward is not None and buddy != rank:
             self._exchange = threading.Thread(
@@ -152,30 +152,16 @@ class SnapshotKeeper:
 
     # -- the durable tier ----------------------------------------------------------------
 
-    def write_durable(
-        self,
-        root: str,
-        step: int,
-        rank: int,
-        module: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-    ) -> None:
-        """Start writing ``rank``'s state at ``step`` under ``root`` (asynchronously); its
+    def write_durable(self, root: str, rank: int, state: WorkerState) -> None:
+        """Start writing ``rank``'s state (at its step) under ``root`` (asynchronously); its
         completion shows in a later `finished_writes`."""
         if self._durable is None or str(self._durable.root) != str(root):
             self._durable = DurableStore(root)
-        self._writes[step] = self._durable.write(step, rank, module, optimizer)
+        self._writes[state.step] = self._durable.write(rank, state)
 
-    def load_durable(
-        self,
-        root: str,
-        step: int,
-        rank: int,
-        module: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-    ) -> int:
-        """Load ``rank``'s durable snapshot of ``step`` from ``root``, forgetting the writes
-        in flight. Returns the step.
+    def load_durable(self, root: str, step: int, rank: int, state: WorkerState) -> Progress:
+        """Load ``rank``'s durable snapshot of ``step`` from ``root`` into ``state``,
+        forgetting the writes in flight. Returns the progress it holds.
 
         Raises:
             SnapshotCorrupted: if its files do not match their checksums (nothing loaded).
@@ -184,7 +170,7 @@ class SnapshotKeeper:
             self._durable.close()
         self._writes = {}
         self._durable = DurableStore(root)
-        return self._durable.load(step, rank, module, optimizer)
+        return self._durable.load(step, rank, state)
 
 
 def _checked_sizes(sizes: torch.Tensor, src: int) -> torch.Tensor:

@@ -19,10 +19,11 @@ from parallelism.comm import Rendezvous, StageComm
 from parallelism.devices import compute_device, deterministic_cuda
 from parallelism.engine import StageEngine, drop_kept_buffers
 from parallelism.schedule import build_schedule, forward_only, swapped_routes
+from parallelism.seeding import Randomness
 from parallelism.topology import Topology
 from parallelism.zero import ZeroShard
 from recovery.spec import TrainSpec
-from recovery.strategies.checkfree import CheckFreeConfig
+from recovery.state import Progress, WorkerState
 from recovery.transfer import DigestsAhead
 from recovery.worker.callbacks import guard_callbacks
 from recovery.worker.keeper import SnapshotKeeper
@@ -37,8 +38,8 @@ class WorkerLifecycle:
 
     Owns the job's spec and topology, this worker's coordinates, the stage's module,
     optimizer, schedules and engine (and its ZeRO-1 shard), the current generation's
-    process groups (``comm``) with its buddy and ward, the progress (``step``, and
-    ``rebuilt_at`` / ``checkfree`` after a CheckFree rebuild) and the snapshots held
+    process groups (``comm``) with its buddy and ward, its ``progress`` (the step, and a
+    CheckFree rebuild's mark: see [Note: one worker state]) and the snapshots held
     (``snapshots``, a `SnapshotKeeper`).
 
     Args:
@@ -54,7 +55,11 @@ class WorkerLifecycle:
         """Set by `abort` to give up the generation being formed (see
         [Note: abandoning a formation] in parallelism/comm.py)."""
         self.generation = -1
-        self.step = 0
+        self.progress = Progress()
+        """This worker's progress: the step it is at and a rebuild's mark (see [Note: one
+        worker state] in recovery/state.py)."""
+        self.rng: Randomness = Randomness()
+        """The random streams its steps seed and draw from (a thread worker's are its own)."""
         self.snapshots = SnapshotKeeper()
         self.buddy: int | None = None
         self.ward: int | None = None
@@ -67,6 +72,21 @@ class WorkerLifecycle:
         self.digests_ahead: DigestsAhead | None = None
         """The digests of this worker's state, taken after a failure in case it is asked
         for it (see [Note: digests taken ahead] in recovery/transfer.py)."""
+
+    # -- state ---------------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """Steps committed: the next step to run, and the data cursor."""
+        return self.progress.step
+
+    @step.setter
+    def step(self, step: int) -> None:
+        self.progress = self.progress.at(step)
+
+    def own_state(self) -> WorkerState:
+        """This worker's whole state, by reference (see [Note: one worker state])."""
+        return WorkerState(self.module, self.optimizer, self.progress)
 
     # -- identity ------------------------------------------------------------------------
 
@@ -134,15 +154,14 @@ class WorkerLifecycle:
             clip_grad_norm=spec.clip_grad_norm,
             shared=self.shared_names,
             shared_is_home=self.stage in (0, topology.stages - 1),
+            compute=self.rng.compute,
         )
         self._start_fresh()
         return time.perf_counter() - start
 
     def _start_fresh(self) -> None:
         """A newly set-up worker's progress: step 0, never rebuilt, no snapshots held."""
-        self.rebuilt_at: int | None = None
-        self.checkfree: CheckFreeConfig | None = None
-        self.step = 0
+        self.progress = Progress()
         self.snapshots.forget_peers()
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
@@ -233,7 +252,7 @@ class WorkerLifecycle:
         for name in ("module", "optimizer", "engine"):
             self.__dict__.pop(name, None)
         self.generation = -1
-        self.step = 0
+        self.progress = Progress()
         if release:
             drop_kept_buffers()
             release_freed_memory()
@@ -256,19 +275,6 @@ class WorkerLifecycle:
         return time.perf_counter() - start
 
     def state(self) -> dict[str, object]:
-        """The worker's full state, on CPU: weights, optimizer state and step."""
-        return {
-            "model": {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()},
-            "optimizer": _to_cpu(self.optimizer.state_dict()),
-            "step": self.step,
-        }
-
-
-def _to_cpu(obj: object) -> object:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
+        """The worker's whole state, copied to the CPU: ``{"model", "optimizer",
+        "progress"}`` (`WorkerState.to_cpu`)."""
+        return self.own_state().to_cpu()

@@ -15,6 +15,7 @@ from pathlib import Path
 from parallelism.engine import StepStats
 from recovery.checkpoint import load_checkpoint, save_checkpoint
 from recovery.snapshots import unpack_state
+from recovery.state import Progress
 from recovery.worker.lifecycle import WorkerLifecycle
 from recovery.worker.reports import StepReport
 
@@ -25,7 +26,7 @@ class Snapshotting(WorkerLifecycle):
     """Taking, handing over and restoring snapshots and checkpoints.
 
     Owns no state of its own: the copies are the `SnapshotKeeper`'s (``snapshots``), and a
-    restore rewrites the stage's module, optimizer and progress.
+    restore rewrites the whole worker state (see [Note: one worker state]).
     """
 
     def _report(self, step: int, stats: StepStats) -> StepReport:
@@ -59,10 +60,8 @@ class Snapshotting(WorkerLifecycle):
         start = time.perf_counter()
         assert step == self.step, (step, self.step)
         self.snapshots.take(
-            step,
             self.rank,
-            self.module,
-            self.optimizer,
+            self.own_state(),
             self.comm,
             self.buddy,
             self.ward,
@@ -77,8 +76,7 @@ class Snapshotting(WorkerLifecycle):
         bad = packed.corrupted()
         if bad:
             return self.step, {self.rank: list(bad)}
-        self.step = unpack_state(packed, self.module, self.optimizer)
-        self._rolled_back(step)
+        self._rolled_back(unpack_state(packed, self.own_state()))
         return self.step, {}
 
     def send_snapshot(self, step: int, ward: int, dst: int) -> int:
@@ -95,8 +93,7 @@ class Snapshotting(WorkerLifecycle):
         bad = packed.corrupted()
         if bad:
             return self.step, {src: list(bad)}
-        self.step = unpack_state(packed, self.module, self.optimizer)
-        self._rolled_back(step)
+        self._rolled_back(unpack_state(packed, self.own_state()))
         self.snapshots.peer.put(step, self.rank, packed)
         return self.step, {}
 
@@ -117,7 +114,7 @@ class Snapshotting(WorkerLifecycle):
         """
         start = time.perf_counter()
         assert step == self.step, (step, self.step)
-        self.snapshots.write_durable(root, step, self.rank, self.module, self.optimizer)
+        self.snapshots.write_durable(root, self.rank, self.own_state())
         return time.perf_counter() - start
 
     def durable_load(self, root: str, step: int) -> int:
@@ -126,16 +123,16 @@ class Snapshotting(WorkerLifecycle):
         Raises:
             SnapshotCorrupted: if its files do not match their checksums (nothing loaded).
         """
-        self.step = self.snapshots.load_durable(root, step, self.rank, self.module, self.optimizer)
-        self._rolled_back(step)
+        self._rolled_back(self.snapshots.load_durable(root, step, self.rank, self.own_state()))
         return self.step
 
-    def _rolled_back(self, step: int) -> None:
-        """After restoring the state of ``step``: forget everything newer (another timeline)."""
+    def _rolled_back(self, progress: Progress) -> None:
+        """After restoring a snapshot's module and optimizer state: take its progress (a
+        rebuild's mark with it, or none) and forget every newer snapshot (another
+        timeline)."""
+        self.progress = progress
         self.digests_ahead = None
-        self.snapshots.peer.discard_after(step)
-        if self.rebuilt_at is not None and self.rebuilt_at > step:
-            self.rebuilt_at = self.checkfree = None
+        self.snapshots.peer.discard_after(progress.step)
 
     # -- restart checkpoints (the baseline) ----------------------------------------------
 
@@ -143,10 +140,10 @@ class Snapshotting(WorkerLifecycle):
         """Write this worker's state to a checkpoint (the ``restart`` baseline). Returns seconds."""
         start = time.perf_counter()
         assert step == self.step, (step, self.step)
-        save_checkpoint(root, self.rank, self.module, self.optimizer, self.step)
+        save_checkpoint(root, self.rank, self.own_state())
         return time.perf_counter() - start
 
     def load_checkpoint(self, root: str, step: int) -> int:
         """Load this worker's checkpoint of ``step``. Returns the step."""
-        self.step = load_checkpoint(root, self.rank, step, self.module, self.optimizer)
+        self.progress = load_checkpoint(root, self.rank, step, self.own_state())
         return self.step

@@ -58,9 +58,9 @@ from functools import partial
 
 import torch
 
+from parallelism.buffers import evaluating
 from parallelism.engine import Share, StepStats
 from parallelism.schedule import Schedule
-from parallelism.seeding import seed_everything
 from recovery.faults import BitFlip, Corrupt, Fault, Kill, KillPoint, WorkerFault
 from recovery.fingerprint import fingerprint, flip_bit
 from recovery.spec import BatchFn, apply_lr_schedule
@@ -126,7 +126,7 @@ class StageWorker(Snapshotting, StateTransfer):
                     self.schedule, self.comm, self._shares(step), self._hook
                 )
             else:
-                seed_everything(self.spec.seed, "step", self.stage, self.replica, step)
+                self.rng.seed(self.spec.seed, "step", self.stage, self.replica, step)
                 inputs, targets = self._data(self.spec.batches, step, self.schedule)
                 if self.zero is not None:
                     self.zero.sync(self.comm)
@@ -157,9 +157,9 @@ class StageWorker(Snapshotting, StateTransfer):
         return report
 
     def fingerprint(self) -> dict[str, str]:
-        """The fingerprint of this worker's parameters and optimizer state (parameters only
+        """The fingerprint of this worker's whole committed state (without the optimizer
         under ZeRO-1, whose replicas hold different optimizer shards)."""
-        return fingerprint(self.module, self.optimizer if self.zero is None else None)
+        return fingerprint(self.own_state(), optimizer=self.zero is None)
 
     def commit(self, step: int) -> int:
         """Phase two: apply ``step``'s optimizer update. Returns the new step counter.
@@ -229,11 +229,10 @@ class StageWorker(Snapshotting, StateTransfer):
     def _apply(self, step: int) -> None:
         """The commit's work: the optimizer update of ``step`` (and of a ZeRO-1 mirror)."""
         assert self.spec is not None
-        factor = 1.0
-        if self.rebuilt_at is not None and self.checkfree is not None:
-            factor = self.checkfree.lr_factor(max(0, step - self.rebuilt_at))
+        factor = self.progress.lr_factor(step)
         apply_lr_schedule(self.optimizer, self.spec.lr_schedule, step, self.base_lrs, factor=factor)
         self.optimizer.step()
+        self.engine.buffers.apply()
         if self.zero is not None:
             mirror = self.zero.mirror_optimizer
             apply_lr_schedule(mirror, self.spec.lr_schedule, step, self.base_lrs, factor=factor)
@@ -245,7 +244,13 @@ class StageWorker(Snapshotting, StateTransfer):
         self._drop_step()
 
     def evaluate(self, index: int) -> StepReport:
-        """Forward-only pass over held-out batch ``index``; losses reported by last stages."""
+        """Forward-only pass over held-out batch ``index``; losses reported by last stages.
+
+        Evaluation leaves no trace: the stage runs in eval mode (dropout off, BatchNorm on
+        its running statistics) without autograd, and its modes and buffers
+        (`parallelism.buffers.evaluating`) and its random streams (``rng.kept``) are given
+        back after, so a job that evaluates trains exactly as one that does not.
+        """
         assert self.spec is not None and self.spec.val_batches is not None
         # A shrunk job's complete pipelines evaluate the missing ones' batches too.
         replicas = self.shares if self.shares is not None else (self.replica,)
@@ -253,13 +258,14 @@ class StageWorker(Snapshotting, StateTransfer):
         try:
             if self.zero is not None:
                 self.zero.sync(self.comm)
-            for replica in replicas:
-                inputs, targets = self._data(
-                    self.spec.val_batches, index, self.eval_schedule, replica
-                )
-                got = self.engine.run(self.eval_schedule, self.comm, inputs, targets)
-                stats.loss_sum += got.loss_sum
-                stats.losses += got.losses
+            with self.rng.kept(), evaluating(self.module):
+                for replica in replicas:
+                    inputs, targets = self._data(
+                        self.spec.val_batches, index, self.eval_schedule, replica, held_out=True
+                    )
+                    got = self.engine.run(self.eval_schedule, self.comm, inputs, targets)
+                    stats.loss_sum += got.loss_sum
+                    stats.losses += got.losses
         except Exception as exc:
             return self._failed(self.step, exc)
         return StepReport(rank=self.rank, step=self.step, ok=True, stats=stats)
@@ -267,16 +273,33 @@ class StageWorker(Snapshotting, StateTransfer):
     # -- helpers -------------------------------------------------------------------------
 
     def _data(
-        self, fn: BatchFn, index: int, schedule: Schedule, replica: int | None = None
+        self,
+        fn: BatchFn,
+        index: int,
+        schedule: Schedule,
+        replica: int | None = None,
+        *,
+        held_out: bool = False,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Pipeline ``replica``'s microbatches of batch ``index`` (default: this worker's)."""
+        """Pipeline ``replica``'s microbatches of batch ``index`` (default: this worker's).
+
+        [Note: one draw for every stage]
+        The first stage of a route reads a batch's inputs and the last its targets, each
+        calling ``fn`` in its own process. They must get the same samples, even from a
+        dataset that augments or masks at random: so ``fn`` runs with every random
+        generator it may use (torch's, Python's, NumPy's) seeded from the batch alone --
+        ``(seed, "data", replica, index)``, never the stage -- and given back after, so the
+        step's own randomness (dropout) is unchanged.
+        """
         assert self.spec is not None
         replica = self.replica if replica is None else replica
         ends = {schedule.first_stage(m) for m in range(schedule.num_microbatches)}
         ends |= {schedule.last_stage(m) for m in range(schedule.num_microbatches)}
         if self.stage not in ends:  # a middle stage never touches data
             return [], []
-        batch = fn(index, replica, self.topology.replicas)
+        keys = (self.spec.seed, "held-out" if held_out else "data", replica, index)
+        with self.rng.drawing(*keys):
+            batch = fn(index, replica, self.topology.replicas)
         return self.spec.split(batch, step=index, replica=replica)
 
     def _shares(self, step: int) -> list[Share]:
@@ -286,12 +309,16 @@ class StageWorker(Snapshotting, StateTransfer):
 
     def _share_data(self, step: int, replica: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         assert self.spec is not None
-        seed_everything(self.spec.seed, "step", self.stage, replica, step)
+        self.rng.seed(self.spec.seed, "step", self.stage, replica, step)
         return self._data(self.spec.batches, step, self.schedule, replica)
 
     def _drop_step(self) -> None:
-        """Forget everything of the uncommitted step (its gradients)."""
+        """Forget everything of the uncommitted step: its gradients, and the buffer values
+        its forward passes left (see [Note: buffers are state] in parallelism/buffers.py)."""
         self.module.zero_grad(set_to_none=True)
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.buffers.drop()
 
     def _failed(self, step: int, exc: Exception) -> StepReport:
         if is_comm_error(exc):
@@ -323,9 +350,7 @@ class StageWorker(Snapshotting, StateTransfer):
                 self.flip_in_flight = fault.seed
                 continue
             if isinstance(fault, BitFlip):  # finite and wrong: only a fingerprint vote sees it
-                self.flipped = flip_bit(
-                    self.module, self.optimizer if self.zero is None else None, fault.seed
-                )
+                self.flipped = flip_bit(self.own_state(), fault.seed, optimizer=self.zero is None)
                 continue
             if isinstance(fault, Kill):
                 self._die()
@@ -358,6 +383,8 @@ class StageWorker(Snapshotting, StateTransfer):
         """
         kind, since = self._activity
         waiting = self.comm.waiting_on if self.comm is not None else None
+        if getattr(self.rng, "waiting", False):  # a thread worker waiting for another's draws
+            waiting = -1
         idle = time.time() - since
         engine = getattr(self, "engine", None)
         if engine is not None:
@@ -396,5 +423,5 @@ class StageWorker(Snapshotting, StateTransfer):
         self._faults = []
         self.leave()
         if source and self.spec is not None:
-            self.digests_ahead = DigestsAhead.start(self.module, self.optimizer)
+            self.digests_ahead = DigestsAhead.start(self.own_state())
         return self.flush_snapshots()  # let durable writes in flight land before anyone prunes

@@ -12,9 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
+from parallelism.buffers import persistent_buffers
 from parallelism.engine import StageEngine
+from parallelism.zero import OwnedParams
 from recovery.errors import TransferCorrupted
+from recovery.state import Progress, Rebuild, WorkerState
 from recovery.strategies.checkfree import CheckFreeConfig, load_optimizer_moments, rebuild_stage
 from recovery.transfer import recv_named, recv_state, send_named, send_state
 from recovery.worker.lifecycle import WorkerLifecycle
@@ -29,8 +33,8 @@ source rank -> the tensors whose bytes differ from the sender's digests; empty: 
 class StateTransfer(WorkerLifecycle):
     """Sending and receiving the stage's state: copies, ZeRO-1 shards, CheckFree rebuilds.
 
-    Owns no state of its own: it reads and rewrites the stage's module, optimizer, engine
-    and progress (``step``, ``rebuilt_at``, ``checkfree``), and the ZeRO-1 shard's mirror.
+    Owns no state of its own: it reads and rewrites the worker's state (module, optimizer
+    and progress: see [Note: one worker state]), its engine, and the ZeRO-1 shard's mirror.
     Every receive checks what arrived against the sender's digests and reports a
     corruption (`Corruption`) instead of trusting it.
     """
@@ -43,38 +47,37 @@ class StateTransfer(WorkerLifecycle):
     # -- whole-state copies --------------------------------------------------------------
 
     def send_state(self, dsts: list[int]) -> int:
-        """Send this worker's state to each rank in ``dsts``, in turn. Returns bytes sent."""
+        """Send this worker's whole state to each rank in ``dsts``, in turn. Returns bytes sent."""
         assert self.comm is not None
-        extra = {"rebuilt_at": self.rebuilt_at, "checkfree": self.checkfree}
         ahead, self.digests_ahead = self.digests_ahead, None
+        state = self.own_state()
         return sum(
-            send_state(
-                self.comm,
-                dst,
-                self.module,
-                self.optimizer,
-                self.step,
-                extra,
-                flip=self._take_flip(),
-                ahead=ahead,
-            )
-            for dst in dsts
+            send_state(self.comm, dst, state, flip=self._take_flip(), ahead=ahead) for dst in dsts
         )
 
     def recv_state(self, src: int) -> tuple[int, int, Corruption]:
-        """Become a copy of rank ``src``'s state. Returns ``(step, bytes received, what
-        arrived corrupted)``; on a corruption this worker holds nothing trustworthy."""
+        """Become a copy of rank ``src``'s whole state (a rebuilt stage's mark included: see
+        [Note: one worker state]). Returns ``(step, bytes received, what arrived
+        corrupted)``; on a corruption this worker holds nothing trustworthy."""
         assert self.comm is not None
         self.digests_ahead = None  # written behind torch's back (see [Note: digests taken ahead])
         try:
-            self.step, received, extra = recv_state(self.comm, src, self.module, self.optimizer)
+            self.progress, received = recv_state(self.comm, src, self.own_state())
         except TransferCorrupted as exc:
             return self.step, 0, _corruption(exc)
-        # A copy of a rebuilt stage keeps its learning-rate scale, or the replicas diverge.
-        self.rebuilt_at, self.checkfree = extra.get("rebuilt_at"), extra.get("checkfree")
         return self.step, received, {}
 
     # -- ZeRO-1 shards (see parallelism/zero.py) -----------------------------------------
+
+    def _shard_state(self, params: nn.Module, optimizer: torch.optim.Optimizer) -> WorkerState:
+        """A shard's parameters and optimizer with this stage's persistent buffers: what a
+        replacement takes from its shard's mirror (the buffers, equal on every replica
+        after each commit, are not in any shard)."""
+        return WorkerState(
+            OwnedParams(params.parameters(), buffers=persistent_buffers(self.module)),
+            optimizer,
+            self.progress,
+        )
 
     def sync_params(self) -> None:
         """Every parameter from its owner (ZeRO-1; a collective over the stage group)."""
@@ -86,9 +89,8 @@ class StateTransfer(WorkerLifecycle):
         """Send the mirror of the ward's shard to ``dst``, the ward's replacement. Returns bytes."""
         assert self.comm is not None and self.zero is not None
         zero = self.zero
-        return send_state(
-            self.comm, dst, zero.mirror, zero.mirror_optimizer, self.step, flip=self._take_flip()
-        )
+        state = self._shard_state(zero.mirror, zero.mirror_optimizer)
+        return send_state(self.comm, dst, state, flip=self._take_flip())
 
     def recv_shard(self, src: int) -> tuple[int, int, Corruption]:
         """Take this worker's own shard from its holder's mirror. Returns ``(step, bytes,
@@ -97,7 +99,8 @@ class StateTransfer(WorkerLifecycle):
         self.zero.synced = False
         self.digests_ahead = None
         try:
-            self.step, received, _ = recv_state(self.comm, src, self.zero.owned, self.optimizer)
+            state = self._shard_state(self.zero.owned, self.optimizer)
+            self.progress, received = recv_state(self.comm, src, state)
         except TransferCorrupted as exc:
             return self.step, 0, _corruption(exc)
         return self.step, received, {}
@@ -112,9 +115,12 @@ class StateTransfer(WorkerLifecycle):
         ward = self.topology.rank(self.stage, zero.ward)
         sent = 0
         if send:
-            sent = send_state(self.comm, holder, zero.owned, self.optimizer, self.step, wait=False)
+            own = WorkerState(zero.owned, self.optimizer, self.progress)
+            sent = send_state(self.comm, holder, own, wait=False)
         if receive:
-            recv_state(self.comm, ward, zero.mirror, zero.mirror_optimizer)
+            recv_state(
+                self.comm, ward, WorkerState(zero.mirror, zero.mirror_optimizer, self.progress)
+            )
         self.comm.wait_sends()
         return sent
 
@@ -188,10 +194,9 @@ class StateTransfer(WorkerLifecycle):
             shared=self.shared_names,
             shared_is_home=self.engine.shared_is_home,
             progress=self.engine.progress,
+            compute=self.rng.compute,
         )
-        self.step = step
-        self.rebuilt_at = step
-        self.checkfree = config
+        self.progress = Progress(step=step, rebuild=Rebuild.of(config, step))
         return total, {}
 
 
