@@ -428,6 +428,8 @@ def _abandonable(build: Callable[[], _Group], cancel: threading.Event | None) ->
     [Note: abandoning a formation])."""
     if cancel is None:
         return build()
+    if cancel.is_set():
+        raise RuntimeError("gloo group formation abandoned: the generation was given up")
     box: dict[str, Any] = {}
     done = threading.Event()
 

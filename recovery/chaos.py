@@ -118,6 +118,9 @@ class KillRecord:
     pid: int | None
     landed: bool
     """The process was alive and got the SIGKILL."""
+    wiped: tuple[int, ...] = ()
+    """The stages that, with this kill, had no worker holding their state left (every
+    replica dead or still being rebuilt): from then on only a snapshot can bring them back."""
 
     def __str__(self) -> str:
         kind = "burst kill" if self.burst else "kill"
@@ -125,11 +128,19 @@ class KillRecord:
             return f"{self.at_s:7.2f} s  {kind}: no live worker to kill"
         s, r = self.worker
         outcome = "landed" if self.landed else "missed (already gone)"
-        return f"{self.at_s:7.2f} s  {kind} of ({s},{r}) pid {self.pid}: {outcome}"
+        wiped = f"; stage(s) {list(self.wiped)} now hold no live replica" if self.wiped else ""
+        return f"{self.at_s:7.2f} s  {kind} of ({s},{r}) pid {self.pid}: {outcome}{wiped}"
 
 
 class _Job(Protocol):
     def live_workers(self) -> Mapping[Coords, WorkerInfo]: ...
+
+
+def _holders(job: _Job) -> Mapping[Coords, WorkerInfo]:
+    """The workers that hold their stage's state now (`Trainer.holders`; a job that cannot
+    tell: every live worker)."""
+    holders = getattr(job, "holders", None)
+    return holders() if holders is not None else job.live_workers()
 
 
 @dataclass
@@ -139,7 +150,11 @@ class ChaosMonkey:
     The schedule's clock starts when ``job.live_workers()`` first lists workers (the job
     is training); the monkey stops once the list is empty again (the last step has
     committed), after ``max_kills`` landed kills, or on `stop`. A victim is picked among
-    the listed workers whose process it has not already killed.
+    the listed workers whose process it has not already killed. Each kill records the
+    stages it left with no live worker holding their state (``job.holders()``, if the job
+    tells), so that a job's death can be judged: lost while a replica of every stage
+    lived, or not. With ``keep_a_replica`` the monkey never kills the last such worker of
+    a stage: every job must then survive.
     """
 
     job: _Job
@@ -148,6 +163,8 @@ class ChaosMonkey:
     on_kill: Callable[[KillRecord], None] = lambda record: None
     start_timeout_s: float = 600.0
     """How long to wait for the job to start training."""
+    keep_a_replica: bool = False
+    """Spare the last live worker that holds a stage's state."""
     records: list[KillRecord] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -180,7 +197,10 @@ class ChaosMonkey:
             workers = self.job.live_workers()
             if not workers:
                 return
+            holding = {c: i.pid for c, i in _holders(self.job).items() if i.pid not in killed}
             candidates = sorted(c for c, info in workers.items() if info.pid not in killed)
+            if self.keep_a_replica:
+                candidates = [c for c in candidates if not _last(c, workers[c].pid, holding)]
             if not candidates:
                 record = KillRecord(time.monotonic() - t0, planned.burst, None, None, False)
             else:
@@ -191,9 +211,24 @@ class ChaosMonkey:
                 expect_exit(pid, "killed by the chaos monkey")
                 landed = kill_process(pid)
                 killed.add(pid)
-                record = KillRecord(time.monotonic() - t0, planned.burst, victim, pid, landed)
+                left = {c[0] for c, p in holding.items() if p not in killed}
+                wiped = tuple(sorted({c[0] for c in holding} - left))
+                record = KillRecord(
+                    time.monotonic() - t0, planned.burst, victim, pid, landed, wiped
+                )
             self.records.append(record)
             self.on_kill(record)
+
+    @property
+    def wiped(self) -> list[int]:
+        """Every stage some kill left with no live worker holding its state."""
+        return sorted({s for r in self.records for s in r.wiped})
+
+
+def _last(victim: Coords, pid: int, holding: Mapping[Coords, int]) -> bool:
+    """Whether ``victim`` is the only worker left holding its stage's state."""
+    mates = [c for c, p in holding.items() if c[0] == victim[0]]
+    return mates == [victim] and holding[victim] == pid
 
 
 def relative_difference(got: torch.Tensor, oracle: torch.Tensor) -> float:

@@ -65,6 +65,10 @@ class Redundancy:
     untrusted: frozenset[int] = frozenset()
     """Live ranks whose state arrived corrupted at a receiver during this recovery (see
     [Note: checked transfers] in recovery/transfer.py): never a source again in it."""
+    stand_ins: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    """Rank -> the ranks whose snapshots restore it too: the other replicas of its stage,
+    where replicas hold bit-identical state (not when they hold different shards). Empty:
+    a rank comes back from its own snapshot only."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,9 @@ class RecoveryAction:
     rank: int
     strategy: Strategy
     sources: tuple[int, ...] = ()
+    copy_of: int | None = None
+    """A rollback from another replica's snapshot: that replica's rank (its state is this
+    one's, bit for bit; see `Redundancy.stand_ins`). None: the worker's own snapshot."""
 
 
 @dataclass(frozen=True)
@@ -349,14 +356,20 @@ def _rollback(
     from recovery.snapshots import peer_rollback_step
 
     alive = set(redundancy.alive)
-    holding = {
-        h: wards for h, wards in redundancy.peer_held.items() if h not in redundancy.untrusted
+    untrusted = redundancy.untrusted
+    holding = {h: wards for h, wards in redundancy.peer_held.items() if h not in untrusted}
+    own = {r: set(s) for r, s in redundancy.peer_own.items()}
+    # A replica whose live state arrived corrupted stands in for nobody in this recovery.
+    stand_ins = {
+        r: tuple(o for o in others if o not in untrusted)
+        for r, others in redundancy.stand_ins.items()
     }
     peer = peer_rollback_step(
         alive,
         {h: {w: set(s) for w, s in wards.items()} for h, wards in holding.items()},
-        {r: set(s) for r, s in redundancy.peer_own.items()},
+        own,
         topology.world_size,
+        stand_ins,
     )
     durable = max(redundancy.durable_steps, default=None)
     if peer is None and durable is None:
@@ -370,12 +383,7 @@ def _rollback(
             if rank in alive and peer in redundancy.peer_own.get(rank, ()):
                 actions.append(RecoveryAction(rank=rank, strategy=Strategy.ROLLBACK))
                 continue
-            holders = sorted(
-                h for h, wards in holding.items() if h in alive and peer in wards.get(rank, ())
-            )
-            actions.append(
-                RecoveryAction(rank=rank, strategy=Strategy.ROLLBACK, sources=(holders[0],))
-            )
+            actions.append(_snapshot_source(rank, peer, alive, holding, own, stand_ins))
         return RecoveryPlan(
             tuple(actions),
             resume_step=peer,
@@ -394,6 +402,33 @@ def _rollback(
         tier=Tier.DURABLE,
         reason=reason,
     )
+
+
+def _snapshot_source(
+    rank: int,
+    step: int,
+    alive: set[int],
+    holding: Mapping[int, Mapping[int, Collection[int]]],
+    own: Mapping[int, Collection[int]],
+    stand_ins: Mapping[int, tuple[int, ...]],
+) -> RecoveryAction:
+    """Where ``rank`` (without its own copy) gets the snapshot of ``step`` from: its buddy's
+    copy of it, else a stand-in's (a replica of its stage: a live one's own copy, or its
+    buddy's copy of it). `peer_rollback_step` chose ``step`` so that one exists."""
+    for copy in (rank, *stand_ins.get(rank, ())):
+        holders = sorted(
+            h for h, wards in holding.items() if h in alive and step in wards.get(copy, ())
+        )
+        if copy != rank and copy in alive and step in own.get(copy, ()):
+            holders.insert(0, copy)
+        if holders:
+            return RecoveryAction(
+                rank=rank,
+                strategy=Strategy.ROLLBACK,
+                sources=(holders[0],),
+                copy_of=None if copy == rank else copy,
+            )
+    raise AssertionError(f"planner invariant: a snapshot of step {step} for rank {rank}")
 
 
 def _restart(topology: Topology, lost: set[int], redundancy: Redundancy) -> RecoveryPlan:

@@ -298,6 +298,29 @@ class Trainer:
             }
         return {}
 
+    def holders(self) -> dict[tuple[int, int], WorkerInfo]:
+        """The workers of `live_workers` that hold their stage's state now: all of them
+        while the job trains, less those a recovery under way is rebuilding (a replacement
+        holds its state once the recovery is done) -- for tools that fail workers from
+        outside, to tell whether a replica of every stage lived (scripts/chaos.py). Called
+        from another thread; a worker that died unnoticed is still listed."""
+        controller = self._training
+        if controller is None:
+            return {}
+        for _ in range(10):  # the controller thread may be changing the sets meanwhile
+            try:
+                rebuilding = controller.rebuilding()
+                break
+            except RuntimeError:
+                time.sleep(0.001)
+        else:
+            return {}
+        return {
+            coords: info
+            for coords, info in self.live_workers().items()
+            if self.topology.rank(*coords) not in rebuilding
+        }
+
     def _note_resume(self, controller: Controller, bar: _ProgressBar) -> None:
         """After a driver death: keep the earlier run's record and log the rollback."""
         step = controller.resumed_from

@@ -3,22 +3,29 @@ wall-clock times, and the oracle at the end.
 
     python scripts/chaos.py --kills 5                     # a short run (about a minute)
     python scripts/chaos.py --kills 100 --burst-prob 0.3  # the soak (see the README)
+    python scripts/chaos.py --kills 100 --hot-spares 0 --durable-every 0 --model bn-cnn
 
 The job is the public API's: `Trainer(spec, topology=..., policy=...).fit(steps)` of a small
-MLP regression (one Linear+Tanh per stage, AdamW). A thread this process runs beside it --
-not the library -- reads the workers' pids from `Trainer.live_workers()` and SIGKILLs one
-at Poisson times (``--mean-interval``); with probability ``--burst-prob`` a second kill
-follows 0.05-0.5 s later (``--burst-gap``), inside the recovery the first one started. With ``--nodes K`` the
-job runs on a ``ray.cluster_utils.Cluster`` of K nodes, and whole nodes are removed at
-Poisson times too (``--node-interval``) and a fresh one added ``--node-downtime`` s later.
+MLP regression (one Linear+Tanh per stage, AdamW), or with ``--model bn-cnn`` a CNN with
+BatchNorm and dropout in every stage on augmented images (a model with buffers). A thread
+this process runs beside it -- not the library -- reads the workers' pids from
+`Trainer.live_workers()` and SIGKILLs one at Poisson times (``--mean-interval``); with
+probability ``--burst-prob`` a second kill follows 0.05-0.5 s later (``--burst-gap``),
+inside the recovery the first one started. With ``--nodes K`` the job runs on a
+``ray.cluster_utils.Cluster`` of K nodes, and whole nodes are removed at Poisson times too
+(``--node-interval``) and a fresh one added ``--node-downtime`` s later.
 
 Segments: the script runs successive jobs of ``--steps`` steps each until ``--kills N``
 kills have landed (or ``--seconds T`` have passed); every job starts from the same seed,
 so each one is checked against the one uninterrupted run of ``--steps`` steps: losses and
-every worker's final model and optimizer state ``torch.equal``. A kill lands when the
-process was alive to get it (one already dead, or already killed, does not count). It
-prints a line per kill and per recovery, then the totals, and exits 1 if any job died
-(any exception out of `fit`) or any oracle failed, else 0.
+every worker's whole final state (parameters, buffers, optimizer state, progress)
+``torch.equal``. A kill lands when the process was alive to get it (one already dead, or
+already killed, does not count). The monkey also follows which workers hold their
+stage's state (`Trainer.holders`), so that a job lost after some stage had no live
+replica left -- which only a snapshot could bring back -- is told apart from one lost
+while a replica of every stage lived (a bug); ``--keep-a-replica`` never kills the last
+one. It prints a line per kill and per recovery, then the totals, and exits 1 if a job
+died while a replica of every stage lived, or any oracle failed, else 0.
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ its difference (`recovery.chaos.relative_difference`): AdamW's division by the s
 of a second moment amplifies a last-bit difference in a gradient."""
 
 WIDTH = 16
+MODELS = ("mlp", "bn-cnn")
 
 
 def stage(s: int, num_stages: int) -> nn.Module:
@@ -79,7 +87,23 @@ def adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2)
 
 
-def spec(seed: int) -> TrainSpec:
+def spec(seed: int, model: str = "mlp") -> TrainSpec:
+    """The job: an MLP regression, or (``bn-cnn``) a CNN with BatchNorm and dropout in every
+    stage on generated shape images a random flip augments -- a model with buffers, whose
+    every running statistic and batch counter the oracle checks too."""
+    if model == "bn-cnn":
+        from parallelism.workloads.shapes import Shapes, bn_cnn_stage
+        from recovery import batches_from_dataset
+
+        return TrainSpec(
+            build_stage=bn_cnn_stage,
+            loss_fn=nn.functional.cross_entropy,
+            make_optimizer=adamw,
+            batches=batches_from_dataset(Shapes(2048, augment=True), 8, seed=seed),
+            microbatches=2,
+            seed=seed,
+            name="bn-cnn",
+        )
     return TrainSpec(
         build_stage=stage,
         loss_fn=mse,
@@ -146,6 +170,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "rollback when the peer copies are lost too); 0: none",
     )
     p.add_argument("--steps", type=int, default=150, help="steps per job (segment)")
+    p.add_argument(
+        "--model",
+        choices=MODELS,
+        default="mlp",
+        help="the job's model: an MLP regression, or a CNN with BatchNorm and dropout on "
+        "augmented images (buffers: the oracle checks every running statistic too)",
+    )
+    p.add_argument(
+        "--keep-a-replica",
+        action="store_true",
+        help="never kill the last live worker holding a stage's state: every job must then "
+        "survive (without it, a job may be lost once some stage has no replica left and no "
+        "snapshot brings it back, which the summary counts apart)",
+    )
     p.add_argument(
         "--nodes",
         type=int,
@@ -238,7 +276,7 @@ def segment(
         durable_every=args.durable_every or None,
         snapshot_dir=folder.name if args.durable_every else None,
     )
-    trainer = Trainer(spec(args.seed), topology=top, policy=policy)
+    trainer = Trainer(spec(args.seed, args.model), topology=top, policy=policy)
     monkey = ChaosMonkey(
         trainer,
         kill_schedule(
@@ -249,6 +287,7 @@ def segment(
         ),
         max_kills=remaining,
         on_kill=lambda record: say(f"job {index}  {record}"),
+        keep_a_replica=args.keep_a_replica,
     )
     nodes = None
     if cluster is not None:
@@ -334,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     t_start = time.monotonic()
     with local_cluster(1, args.nodes - 1) if args.nodes else _local(connect) as (cluster, _):
-        oracle = Trainer(spec(args.seed), topology=top).fit(args.steps)
+        oracle = Trainer(spec(args.seed, args.model), topology=top).fit(args.steps)
         say(
             f"oracle: the uninterrupted run, {args.steps} steps in {oracle.wall_s:.1f} s, "
             f"final loss {oracle.losses[-1]:.6f}"
@@ -342,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         kills: list[KillRecord] = []
         strategies: collections.Counter[str] = collections.Counter()
         interrupted = interruptions = multi = survived = died = oracle_ok = oracle_bad = 0
+        exhausted = 0  # jobs lost after some stage had no live replica left
         within = 0  # of oracle_ok: jobs that shrank with 3+ replicas, held within tolerance
         removed = added = idle = 0
         index = 0
@@ -356,9 +396,16 @@ def main(argv: list[str] | None = None) -> int:
             kills += records
             if nodes is not None:
                 removed, added = removed + nodes.removed, added + nodes.added
-            if result is None:
+            wiped = sorted({s for r in records for s in r.wiped})
+            if result is None and wiped:
+                exhausted += 1
+                say(
+                    f"job {index}  lost after stage(s) {wiped} had no live replica left "
+                    f"(then only a snapshot could bring them back):\n{diffs[0]}"
+                )
+            elif result is None:
                 died += 1
-                say(f"job {index}  DIED:\n{diffs[0]}")
+                say(f"job {index}  DIED while a replica of every stage lived:\n{diffs[0]}")
             else:
                 survived += 1
                 for event in result.events:
@@ -404,10 +451,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{multi} with 2+ workers lost, {interrupted} interrupted by a further failure "
         f"({interruptions} interruptions)"
     )
-    say(f"jobs: {survived} survived, {died} died")
     say(
-        f"oracle: {oracle_ok - within} of {survived + died} jobs bit-identical to the "
-        f"uninterrupted run (losses and final model and optimizer states, torch.equal)"
+        f"jobs: {survived} survived, {died} died while a replica of every stage lived, "
+        f"{exhausted} lost after some stage had no live replica left"
+    )
+    say(
+        f"oracle: {oracle_ok - within} of {survived + died + exhausted} jobs bit-identical to "
+        f"the uninterrupted run (losses and final model -- parameters and buffers -- optimizer "
+        f"state and progress, torch.equal)"
         + (
             f", {within} that shrank within rtol {LOSS_RTOL:g} (losses) / {STATE_RTOL:g} "
             f"(final tensors, by norm)"

@@ -135,10 +135,22 @@ def hierarchy_cases(draw: st.DrawFn):  # type: ignore[no-untyped-def]
             )
         ),
     )
+    stand_ins = {}
+    if draw(st.booleans()):  # replicated stages: a replica's snapshot restores any other
+        stand_ins = {
+            r: tuple(o for o in top.stage_group(top.worker(r).stage) if o != r)
+            for r in range(top.world_size)
+        }
     return (
         top,
         lost,
-        Redundancy(alive=alive, peer_own=own, peer_held=held, durable_steps=durable),
+        Redundancy(
+            alive=alive,
+            peer_own=own,
+            peer_held=held,
+            durable_steps=durable,
+            stand_ins=stand_ins,
+        ),
         policy,
     )
 
@@ -165,18 +177,22 @@ def _rollback_steps(top: Topology, redundancy: Redundancy) -> tuple[set[int], se
     """Brute force: the steps a peer-tier and a durable-tier rollback could resume at.
 
     A peer step must be restorable for every worker: from its own memory if it is alive, or
-    from a live holder of its snapshot; what a dead worker held died with it.
+    from a live holder of its snapshot -- or of the snapshot of one of its stand-ins (a
+    replica of its stage); what a dead worker held died with it.
     """
     alive = set(redundancy.alive)
     steps = {s for held in redundancy.peer_own.values() for s in held}
     steps |= {s for wards in redundancy.peer_held.values() for held in wards.values() for s in held}
+
+    def survives(w: int, step: int) -> bool:
+        return (w in alive and step in redundancy.peer_own.get(w, ())) or any(
+            h in alive and step in wards.get(w, ()) for h, wards in redundancy.peer_held.items()
+        )
+
     peer = set()
     for step in steps:
         if all(
-            (w in alive and step in redundancy.peer_own.get(w, ()))
-            or any(
-                h in alive and step in wards.get(w, ()) for h, wards in redundancy.peer_held.items()
-            )
+            any(survives(c, step) for c in (w, *redundancy.stand_ins.get(w, ())))
             for w in range(top.world_size)
         ):
             peer.add(step)
@@ -220,9 +236,13 @@ def test_hierarchy_invariants(case) -> None:  # type: ignore[no-untyped-def]
         assert a.strategy == "rollback"
         if result.tier == "durable":
             assert result.resume_step in redundancy.durable_steps
-        elif a.sources:
+        elif a.sources:  # a holder's copy of it, or of a stand-in's (maybe the stand-in's own)
             (holder,) = a.sources
-            assert holder in alive and result.resume_step in redundancy.peer_held[holder][a.rank]
+            copy = a.rank if a.copy_of is None else a.copy_of
+            assert copy == a.rank or copy in redundancy.stand_ins[a.rank]
+            held = redundancy.peer_held.get(holder, {}).get(copy, ())
+            own = redundancy.peer_own.get(holder, ()) if holder == copy else ()
+            assert holder in alive and result.resume_step in {*held, *own}, (a, redundancy)
         else:
             assert a.rank in alive and result.resume_step in redundancy.peer_own[a.rank]
 

@@ -469,8 +469,8 @@ def test_a_flip_in_a_snapshot_held_by_a_peer_is_caught_before_it_is_restored(
     """Both replicas of stage 0 die: everyone rolls back to the newest peer snapshot (4).
     One of them gets its copy from a holder in whose memory a bit flipped; the copy's
     digests (recorded when it was taken) expose it before it is restored, that copy is
-    booked as gone, and the job rolls back to the older snapshot (2) instead -- the next
-    step of the hierarchy -- and ends exact."""
+    booked as gone, and the worker takes its stage mate's snapshot of step 4 instead (the
+    replicas are bit-identical: `Redundancy.stand_ins`) -- and the job ends exact."""
     top = Topology(2, 2)
     kills = [Kill(step=5, stage=0, replica=r) for r in range(2)]
     policy = RecoveryPolicy(fingerprint_every=2, snapshot_every=2)
@@ -494,7 +494,7 @@ def test_a_flip_in_a_snapshot_held_by_a_peer_is_caught_before_it_is_restored(
     assert_same(controller.final_states, oracles[top].final_states)
     (event,) = controller.events
     assert event.strategy == Strategy.ROLLBACK and event.tier == "peer"
-    assert event.step - event.lost_steps == 2  # not 4: that copy was refused
+    assert event.step - event.lost_steps == 4  # that copy was refused, its mate's taken
     (bad,) = event.transfers_corrupted
     coords = top.worker(ward).stage, top.worker(ward).replica
     holder_at = top.worker(holder).stage, top.worker(holder).replica

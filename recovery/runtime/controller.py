@@ -27,6 +27,21 @@ recovery except by a rollback's load, so an interrupted rollback marks the failu
 `suspect` and the next plan rolls everyone back. When the redundancy is gone the planner
 says so (`RedundancyExhausted`), and after `MAX_INTERRUPTIONS` the job gives up.
 
+[Note: live workers are kept]
+A worker is lost only when it is dead, hung past the hang timeout, or outvoted by its
+replicas: only then is its state thrown away. A live worker whose call failed because a
+peer died -- a step, a formation, a transfer -- is *broken*: its process groups are
+unusable, its state is not, and it leaves the generation with the others and joins the
+next one as it is. A replacement started by a recovery that is then interrupted is lost
+in the other sense -- it holds nothing trustworthy yet -- but its process lives: it is
+kept as a *blank* (`Failure.blanks`) and set up afresh in the next attempt
+(`Membership.renew`, milliseconds) instead of being killed and started again (a cold
+start: seconds, during which more workers can die). A formation that cannot complete is
+given up by number (``abort(generation)``), so that a joiner the abort overtook does not
+wait the join timeout for a peer that is gone. So a burst of deaths costs each replacement
+one cold start at most, and the job survives any sequence of failures that leaves a live
+replica of every stage (or, for a stage with none, a snapshot of one of its replicas).
+
 [Note: communication errors with nobody lost]
 A step can fail with a communication error while every worker is alive (a flaky link, a
 peer that was slow to accept): nobody is rebuilt, the generation is re-formed and the step
@@ -49,7 +64,7 @@ import enum
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,6 +173,8 @@ class _Recovery:
     plan: RecoveryPlan = field(init=False)
     """The planner's decision (made once the survivors are known; remade on a fallback)."""
     warm: set[int] = field(default_factory=set)
+    blanks: set[int] = field(default_factory=set)
+    """Lost ranks whose live worker holds nothing yet: set up afresh, not started again."""
     ring_before: dict[int, int] = field(default_factory=dict)
 
     def restores_survivors(self) -> bool:
@@ -257,6 +274,18 @@ class Controller:
         """Where each live worker runs."""
         assert self.group is not None
         return {rank: self.group.info(rank) for rank in self.group.ranks()}
+
+    def rebuilding(self) -> set[int]:
+        """The ranks whose worker holds no trustworthy state now: those a failure found
+        lost and a recovery under way is rebuilding, and those a shrink left out. (Read
+        from another thread: a snapshot, not a promise.)"""
+        failure, rec = self._failure, self._recovery
+        out = set(failure.lost) if failure is not None else set()
+        if rec is not None:
+            out |= rec.lost
+        if hasattr(self, "members"):
+            out |= self.members.missing
+        return out
 
     @property
     def generation(self) -> int:
@@ -527,8 +556,12 @@ class Controller:
                 self.persistence.after_commit(self.step)
         except RecoveryInterrupted as exc:  # lost while snapshotting: the step is committed
             self._book(record)
-            lost = {rank: WorkerLost(rank, str(exc)) for rank in exc.lost or exc.broken}
-            self._fail(self.step, StepOutcome(lost=lost), struck_at, {})
+            lost = {rank: WorkerLost(rank, str(exc)) for rank in exc.lost}
+            broken = {  # alive, their call failed on a peer: not lost (a retry, if alone)
+                rank: StepReport(rank=rank, step=self.step, ok=False, error=str(exc))
+                for rank in exc.broken - exc.lost
+            }
+            self._fail(self.step, StepOutcome(reports=broken, lost=lost), struck_at, {})
             return
         if self.config.eval_every and (
             self.step % self.config.eval_every == 0 or self.step == self.target_steps
@@ -819,7 +852,7 @@ class Controller:
         if most is not None and len(self.events) >= most:
             raise RecoveryError(f"{failure.describe(self.topology)}\nmax_recoveries={most} reached")
         failure.lost |= self.members.missing  # a shrink's missing are rebuilt with the rest
-        lost, reports = self.members.leave_generation(set(failure.lost))
+        lost, blanks, reports = self.members.leave_generation(set(failure.lost), failure.blanks)
         if failure.cause == "communication error" and not lost:
             self._back_off(failure)
         self.persistence.note(reports)
@@ -834,6 +867,7 @@ class Controller:
         )
         self.ledger.forget(lost)
         self._recovery = rec = _Recovery(failure, lost, alive, assessed, dict(self._carried))
+        rec.blanks = blanks
         self._carried = {}
         rec.plan = self._plan(rec)
         log.info("%s", rec.plan.describe(self.topology))
@@ -884,30 +918,38 @@ class Controller:
             raise RedundancyExhausted(f"{rec.failure.describe(self.topology)}\n{exc}") from None
 
     def _replace(self) -> None:
-        """REPLACING: new processes for the lost workers; survivors restore in place --
-        except in the restart baseline, where everyone goes and comes back cold."""
+        """REPLACING: workers for the lost ranks -- the blanks of an interrupted recovery set
+        up afresh where they live, new processes for the others; survivors restore in
+        place -- except in the restart baseline, where everyone goes and comes back cold."""
         assert self.group is not None and self._recovery is not None
         rec = self._recovery
         t0 = time.perf_counter()
-        rebuild = sorted(rec.lost)
         cold = rec.plan.strategy == Strategy.RESTART
+        renewed: set[int] = set()
         if cold:
             rebuild = list(range(self.topology.world_size))
-            self.group.kill(rec.alive)
-        elif self._can_shrink(rec):  # a cold start would stall everyone: leave those out
-            self._shrink(rec, self.members.warm_placement(rebuild), "no warm spare is ready", t0)
-            return
+            self.group.kill(set(rec.alive) | rec.blanks)
+        else:
+            renewed = self.members.renew(rec.blanks)
+            rebuild = sorted(rec.lost - renewed)
+            if rebuild and self._can_shrink(rec):  # a cold start would stall everyone
+                warm = self.members.warm_placement(rebuild)
+                self._shrink(rec, warm, "no warm spare is ready", t0, renewed)
+                return
         placement = self.members.replacements(rebuild)
         try:
-            rec.warm = self.members.start(
-                placement, spares=not cold, what="start replacement workers"
+            started = (
+                self.members.start(placement, spares=not cold, what="start replacement workers")
+                if placement
+                else set()
             )
         except PlacementFailed as exc:  # no room
             if not cold and self._can_shrink(rec):
-                self._shrink(rec, {}, str(exc), t0)
+                self._shrink(rec, {}, str(exc), t0, renewed)
                 return
             why = f"{rec.failure.describe(self.topology)}\n{exc}"
             raise PlacementFailed(why, unplaced=exc.unplaced) from None
+        rec.warm = started | renewed
         self.members.missing = set()
         self._restock = not cold
         rec.add_time("replace", t0)
@@ -917,18 +959,27 @@ class Controller:
         """Whether this recovery may leave its lost workers out (see [Note: elastic shrink])."""
         return self.policy.elastic and shrinkable(self.topology, rec.plan, rec.lost)
 
-    def _shrink(self, rec: _Recovery, warm: dict[int, str], why: str, since: float) -> None:
+    def _shrink(
+        self,
+        rec: _Recovery,
+        warm: dict[int, str],
+        why: str,
+        since: float,
+        renewed: Collection[int] = (),
+    ) -> None:
         """Bring back the lost workers that have a ready spare (``warm``: rank -> the node of
-        its spare), train on without the others, and ask for their replacements as spares,
-        placed wherever there is room, to grow back with (see [Note: elastic shrink])."""
+        its spare) or a live worker set up afresh (``renewed``), train on without the
+        others, and ask for their replacements as spares, placed wherever there is room,
+        to grow back with (see [Note: elastic shrink])."""
         assert self.group is not None
-        left_out = rec.lost - set(warm)
+        left_out = rec.lost - set(warm) - set(renewed)
+        rec.warm = set(renewed)
         self.group.kill(left_out)
         back = sorted(warm)
         if back:
             placement = {rank: warm[rank] for rank in back}
             try:
-                rec.warm = self.members.start(
+                rec.warm |= self.members.start(
                     placement, spares=True, what="start replacement workers"
                 )
             except PlacementFailed:  # the spares went meanwhile: leave those out too

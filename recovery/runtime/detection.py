@@ -167,12 +167,13 @@ def _wait_or_abort(
     return waiting
 
 
-def abort_pending(group: WorkerGroup) -> Callable[[list[Call]], None]:
-    """What tells the workers of pending calls to abort (each once, on its control thread)."""
+def abort_pending(group: WorkerGroup, *args: Any) -> Callable[[list[Call]], None]:
+    """What tells the workers of pending calls to abort (each once, on its control thread;
+    ``args``: the abort's, e.g. the generation whose formation is given up)."""
 
     def abort(pending: list[Call]) -> None:
         for rank in dict.fromkeys(call.rank for call in pending):
-            group.submit(rank, "abort")
+            group.submit(rank, "abort", *args)
 
     return abort
 

@@ -133,11 +133,17 @@ def _sent(results: dict[tuple[int, str], Any]) -> int:
 
 
 def _refuse_corrupted(
-    ctx: Restore, results: dict[tuple[int, str], Any], snapshot: int | None = None
+    ctx: Restore,
+    results: dict[tuple[int, str], Any],
+    snapshot: int | None = None,
+    copies: dict[int, int] | None = None,
 ) -> None:
-    """Raise `TransferCorrupted` if some receive found what arrived corrupted."""
+    """Raise `TransferCorrupted` if some receive found what arrived corrupted. ``copies``:
+    the targets that received another replica's snapshot, and whose (the copy that is
+    corrupted, which `TransferCorrupted.found` names as its target)."""
+    copies = copies or {}
     found = [
-        (rank, int(source), tuple(tensors))
+        (copies.get(rank, rank), int(source), tuple(tensors))
         for (rank, what), value in sorted(results.items(), key=str)
         if what in _RECEIVES
         for source, tensors in sorted(value[-1].items())
@@ -170,14 +176,16 @@ def _rollback(ctx: Restore, plan: RecoveryPlan) -> int:
                 calls[(action.rank, "own")] = ctx.group.submit(action.rank, "restore_own", step)
                 continue
             (holder,) = action.sources
+            copy = action.rank if action.copy_of is None else action.copy_of
             calls[(holder, f"send{action.rank}")] = ctx.group.submit(
-                holder, "send_snapshot", step, action.rank, action.rank
+                holder, "send_snapshot", step, copy, action.rank
             )
             calls[(action.rank, "recv")] = ctx.group.submit(
                 action.rank, "recv_snapshot", step, holder
             )
         results = _gather(ctx, calls, f"roll back to step {step}")
-        _refuse_corrupted(ctx, results, snapshot=step)
+        copies = {a.rank: a.copy_of for a in plan.actions if a.copy_of is not None}
+        _refuse_corrupted(ctx, results, snapshot=step, copies=copies)
         moved = _sent(results)
     if ctx.durable is not None:
         ctx.durable.discard_after(step)

@@ -95,7 +95,13 @@ class StateLayout:
             mirror_holder=self.mirror_holders(ledger.ring),
             mirror_stale={r: a["rows_stale"] > 0 for r, a in assessed.items()},
             pls=self.pls(alive, assessed),
+            stand_ins=self.stand_ins(),
         )
+
+    def stand_ins(self) -> dict[int, tuple[int, ...]]:
+        """Rank -> the ranks whose snapshots restore it too (see `Redundancy.stand_ins`):
+        none where every worker holds a state of its own (a shard)."""
+        return {}
 
     def seed_mirrors(
         self,
@@ -180,7 +186,15 @@ def _from_mirrors_only(plan: RecoveryPlan | None) -> bool:
 
 
 class ReplicatedStages(StateLayout):
-    """Every replica of a stage holds the whole stage: a lost one is copied from a live one."""
+    """Every replica of a stage holds the whole stage: a lost one is copied from a live one,
+    and any replica's snapshot restores any other (they are bit-identical at every commit)."""
+
+    def stand_ins(self) -> dict[int, tuple[int, ...]]:
+        t = self.topology
+        return {
+            rank: tuple(r for r in t.stage_group(t.worker(rank).stage) if r != rank)
+            for rank in range(t.world_size)
+        }
 
     def validate(self, backend: str, device: str | None = None) -> None:
         if self.policy.fingerprint_every and self.topology.replicas < 2:

@@ -115,6 +115,7 @@ class RedundancyLedger:
         mirror_holder: Mapping[int, int] | None = None,
         mirror_stale: Mapping[int, bool] | None = None,
         pls: float = 0.0,
+        stand_ins: Mapping[int, tuple[int, ...]] | None = None,
     ) -> Redundancy:
         """The planner's view: what survives among the ``alive`` ranks (rank -> step)."""
         own = {r: self.holdings.get(r, {}).get(r, []) for r in alive}
@@ -131,4 +132,5 @@ class RedundancyLedger:
             mirror_stale=dict(mirror_stale or {}),
             pls=pls,
             untrusted=frozenset(self.untrusted & set(alive)),
+            stand_ins=dict(stand_ins or {}),
         )

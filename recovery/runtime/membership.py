@@ -15,8 +15,6 @@ from collections import Counter
 from collections.abc import Collection
 from typing import Any
 
-import torch.distributed as dist
-
 from parallelism.comm import Rendezvous, host_store
 from parallelism.topology import Topology
 from recovery.errors import PlacementFailed
@@ -24,7 +22,7 @@ from recovery.placement import place, replacement_node
 from recovery.policy import RecoveryPolicy
 from recovery.runtime.detection import abort_pending, settle
 from recovery.runtime.elastic import shares
-from recovery.runtime.group import Call, WorkerGroup, require, seconds
+from recovery.runtime.group import WorkerGroup, require, seconds
 from recovery.runtime.layouts import StateLayout
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.snapshots import buddies
@@ -32,9 +30,6 @@ from recovery.spec import TrainSpec
 from recovery.worker import StepReport
 
 __all__ = ["Membership"]
-
-_CONNECT_GRACE_S = 5.0
-"""How long an abandoned formation waits for live joiners to reach its store."""
 
 log = logging.getLogger("checkfree")
 
@@ -97,24 +92,50 @@ class Membership:
         if ready < spares:
             log.warning("%d hot spare(s) failed to start; continuing without them", spares - ready)
 
-    def leave_generation(self, lost: set[int]) -> tuple[set[int], dict[int, StepReport]]:
-        """Kill the lost workers; the survivors abandon the step and leave the generation.
+    def leave_generation(
+        self, lost: set[int], blanks: Collection[int] = ()
+    ) -> tuple[set[int], set[int], dict[int, StepReport]]:
+        """Kill the lost workers -- but the ``blanks`` (lost ranks whose live worker holds
+        nothing yet, see [Note: live workers are kept]) -- and make every other live worker
+        abandon the step and leave the generation.
 
         Returns the lost ranks (grown by anyone who died or did not answer meanwhile, who
-        is killed too) and the survivors' reports.
+        is killed too), the blanks still alive, and the survivors' reports.
         """
-        self.group.kill(lost)
+        keep = set(blanks) & lost
+        self.group.kill(lost - keep)
         survivors = [r for r in self.group.ranks() if r not in lost]
         short = {self.topology.worker(r).stage for r in lost}  # their replicas may be asked
         prepared = self.group.call(
             "prepare_recovery",
-            survivors,
-            lambda r: (self.topology.worker(r).stage in short,),
+            [*survivors, *sorted(keep)],
+            lambda r: (r not in keep and self.topology.worker(r).stage in short,),
             timeout=self.policy.timeouts.control,
         )
-        self.group.kill(prepared.lost)
-        lost = lost | set(prepared.lost)
-        return lost, {r: report for r, report in prepared.results.items() if r not in lost}
+        gone = set(prepared.lost)
+        self.group.kill(gone)
+        lost = lost | gone
+        reports = {r: report for r, report in prepared.results.items() if r not in lost}
+        return lost, keep - gone, reports
+
+    def renew(self, ranks: set[int]) -> set[int]:
+        """Set live workers up afresh for their ranks (blanks reused: no process started).
+        Returns those set up; the others are killed.
+
+        Raises:
+            Exception: the original error of a worker whose own code raised.
+        """
+        if not ranks:
+            return set()
+        built = self.group.call(
+            "setup",
+            sorted(ranks),
+            lambda rank: self.layout.setup_args(rank, self.backend, self.device),
+            timeout=self.policy.timeouts.start,
+        )
+        failed = set(built.lost) | {rank for rank, _ in built.broken.values()}
+        self.group.kill(failed)
+        return set(built.results) - failed
 
     def live_nodes(self) -> list[str]:
         """The job's nodes not lost (all of them if every one was lost: Ray may have more)."""
@@ -243,11 +264,10 @@ class Membership:
         """Tear down the current process groups everywhere and form the next generation.
 
         Returns the seconds it took. Every generation meets on a store of its own, hosted
-        here, so nothing from an older generation is ever read again -- and so that a
-        formation that cannot complete (a worker died before joining) is cut short: the
-        store is dropped at the first failure, which fails every join still waiting on it
-        at once instead of after the join timeout, and the joiners still pending are told
-        to abort, which reaches those already past the store (connecting Gloo pairs).
+        here, so nothing from an older generation is ever read again. A formation that
+        cannot complete (a worker died before or while joining) is cut short: the joiners
+        still pending are told to abort this generation, and give up at once wherever
+        they are -- not yet begun, connecting to the store, or connecting Gloo pairs.
 
         Raises:
             RecoveryInterrupted: naming the workers lost or broken while joining.
@@ -287,22 +307,20 @@ class Membership:
             for rank in self.present()
         }
 
-        def drop_store(pending: list[Call]) -> None:
-            # A join not yet connected to the store would retry connecting until its
-            # timeout: let the live joiners connect (a few ms) before dropping it.
-            nonlocal store
-            joined = dist.PrefixStore(rendezvous.prefix, store)
-            keys = [f"joined/{call.rank}" for call in pending]
-            grace = time.monotonic() + _CONNECT_GRACE_S
-            while time.monotonic() < grace and not joined.check(keys):
-                time.sleep(0.01)
-            del joined
+        # At the first failure (a joiner died), the joiners still pending are told to give
+        # up this generation (see [Note: abandoning a formation] in parallelism/comm.py):
+        # by number, since the abort can overtake the join it is meant for. The store
+        # stays up until every call is back -- a joiner that has yet to connect to it
+        # connects, sees the abort and returns at once -- and is dropped after, which
+        # frees the Gloo constructors the joiners abandoned on their helper threads.
+        joined = settle(
+            self.group,
+            calls,
+            seconds(timeout) + 10,
+            on_failure=abort_pending(self.group, self.generation),
+        )
+        if not joined.ok:
             store = None
-            # A joiner past the store waits inside Gloo for peers that will never connect:
-            # tell it to give up (see [Note: abandoning a formation] in parallelism/comm.py).
-            abort_pending(self.group)(pending)
-
-        joined = settle(self.group, calls, seconds(timeout) + 10, on_failure=drop_store)
         require(joined, f"form generation {self.generation}")
         self.store = store
         return time.perf_counter() - start

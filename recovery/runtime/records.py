@@ -100,6 +100,10 @@ class Failure:
     """A fingerprint mismatch (cause ``corrupted``): what the vote found."""
     interruptions: list[str] = field(default_factory=list)
     """What went wrong during the recovery so far (see [Note: re-entrant recovery])."""
+    blanks: set[int] = field(default_factory=set)
+    """Lost ranks whose worker is a live replacement that holds nothing yet (the recovery
+    that started it was interrupted): its process is kept and set up afresh, not killed
+    and started again (see [Note: live workers are kept])."""
 
     def interrupt(
         self,
@@ -110,8 +114,11 @@ class Failure:
         survivors_restored: bool,
     ) -> None:
         """A failure during the recovery: ``error``'s losses and every rank the recovery was
-        rebuilding are lost now; survivors a restore wrote to make the state suspect."""
+        rebuilding are lost now -- those of them whose new worker still lives are blanks --
+        and survivors a restore wrote to make the state suspect. ``error``'s broken ranks
+        (alive, their call failed because a peer died) are not lost."""
         self.lost |= error.lost | rebuilding
+        self.blanks = (self.blanks | rebuilding) - error.lost
         self.errors.update({r: f"during recovery: {error}" for r in error.lost | error.broken})
         self.suspect |= survivors_restored
         self.interruptions.append(f"{phase}: {error}")

@@ -128,13 +128,17 @@ def peer_rollback_step(
     held: Mapping[int, Mapping[int, Iterable[int]]],
     own: Mapping[int, Iterable[int]],
     world_size: int,
+    stand_ins: Mapping[int, Iterable[int]] | None = None,
 ) -> int | None:
     """The newest step S at which every rank's state survives somewhere alive, or None.
 
     Rank ``r``'s state at S survives if ``r`` is alive and kept its own copy
-    (``S in own[r]``) or some live holder ``h`` holds it (``S in held[h][r]``). Entries of
-    dead workers are ignored. Survivors roll back from their own copies; each dead rank's
-    replacement receives its state from a live holder.
+    (``S in own[r]``) or some live holder ``h`` holds it (``S in held[h][r]``) -- or, with
+    ``stand_ins``, if the state at S of one of ``stand_ins[r]`` survives: ranks whose state
+    is bit-identical to ``r``'s at every step (the replicas of its stage, see [Note:
+    buffers are state] in parallelism/buffers.py), so that any one's snapshot restores any
+    other. Entries of dead workers are ignored. Survivors roll back from their own copies;
+    each other rank receives one from a live holder.
 
     Raises:
         ValueError: for a world size below 1 or a rank outside ``0..world_size-1``.
@@ -144,6 +148,8 @@ def peer_rollback_step(
     mentioned = set(alive) | set(held) | set(own)
     for ward_steps in held.values():
         mentioned |= set(ward_steps)
+    for rank, others in (stand_ins or {}).items():
+        mentioned |= {rank, *others}
     if not mentioned <= ranks:
         raise ValueError(f"ranks {sorted(mentioned - ranks)} outside a job of {world_size}")
     available: dict[int, set[int]] = {r: set() for r in ranks}
@@ -153,5 +159,9 @@ def peer_rollback_step(
         if holder in alive:
             for ward, steps in wards.items():
                 available[ward] |= set(steps)
+    if stand_ins:
+        available = {
+            r: available[r].union(*(available[o] for o in stand_ins.get(r, ()))) for r in ranks
+        }
     common = set.intersection(*available.values())
     return max(common, default=None)

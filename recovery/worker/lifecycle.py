@@ -54,6 +54,11 @@ class WorkerLifecycle:
         self.forming: threading.Event | None = None
         """Set by `abort` to give up the generation being formed (see
         [Note: abandoning a formation] in parallelism/comm.py)."""
+        self.abandoned = -1
+        """The newest generation `abort` gave up: a ``join`` of it (or an older one) that
+        starts after the abort gives up at once."""
+        self.joining = -1
+        """The generation this worker last began to join."""
         self.generation = -1
         self.progress = Progress()
         """This worker's progress: the step it is at and a rebuild's mark (see [Note: one
@@ -213,7 +218,13 @@ class WorkerLifecycle:
         start = time.perf_counter()
         self.leave()
         self.shares = shares
+        self.joining = generation
         self.forming = threading.Event()
+        if generation <= self.abandoned:  # the abort came first (see `abort`)
+            raise RuntimeError(
+                f"gloo group formation abandoned: generation {generation} was given up "
+                "before this worker began to join it"
+            )
         self.comm = StageComm(
             rendezvous,
             self.topology,
@@ -251,7 +262,7 @@ class WorkerLifecycle:
         self.spec = None
         for name in ("module", "optimizer", "engine"):
             self.__dict__.pop(name, None)
-        self.generation = -1
+        self.generation = self.joining = self.abandoned = -1  # the next job counts afresh
         self.progress = Progress()
         if release:
             drop_kept_buffers()

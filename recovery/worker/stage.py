@@ -397,13 +397,19 @@ class StageWorker(Snapshotting, StateTransfer):
             "idle_s": idle,
         }
 
-    def abort(self) -> None:
+    def abort(self, generation: int | None = None) -> None:
         """Abandon the running step from outside it: tear down this generation's groups.
 
         Called from a control thread while ``run_step`` may be running: its next (or
         current) communication fails, and peers blocked on this worker wake up. A
-        generation still being formed is given up (see [Note: abandoning a formation]).
+        generation still being formed is given up (see [Note: abandoning a formation]);
+        ``generation``: give up forming that one (and any older) even if its ``join`` has
+        not begun here yet -- the abort can overtake the call it is meant for.
         """
+        if generation is not None:
+            self.abandoned = max(self.abandoned, generation)
+            if self.joining > generation:  # a late abort: a newer generation is under way
+                return
         forming = self.forming
         if forming is not None:
             forming.set()
