@@ -193,7 +193,15 @@ class RayWorkerGroup(WorkerGroup):
     # -- membership --------------------------------------------------------------------
 
     def nodes(self) -> list[str]:
-        return alive_nodes()
+        """The alive nodes that can hold a worker at all: a node without what each worker
+        asks for (a head started with no CPUs, say) is never placed on."""
+        if not self.ask:
+            return alive_nodes()
+        return sorted(
+            n["NodeID"]
+            for n in ray.nodes()
+            if n.get("Alive") and fits(self.ask, n.get("Resources", {})) >= 1
+        )
 
     def start(
         self,
