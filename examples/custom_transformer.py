@@ -70,6 +70,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", help="a text file (default: the stdlib's source)")
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument(
+        "--no-kill",
+        action="store_true",
+        help="train without the injected failure (its final state digest is the same)",
+    )
     parser.add_argument("--seq", type=int, default=64)
     args = parser.parse_args()
     # Bytes of a text file, or of the Python standard library's source (on every machine);
@@ -88,7 +93,9 @@ def main() -> None:
         microbatches=microbatches,
         name="custom-decoder",
     )
-    failures = FailureSchedule([Kill(step=args.steps // 2, stage=1, replica=0)])
+    failures = FailureSchedule(
+        [] if args.no_kill else [Kill(step=args.steps // 2, stage=1, replica=0)]
+    )
     trainer = Trainer(
         spec, topology=Topology(2, 2), failures=failures, progress=True, eval_every=20
     )
@@ -103,6 +110,8 @@ def main() -> None:
         print(f"held-out loss: {held_out[0]:.3f} (step 19) -> {held_out[-1]:.3f}")
     for event in result.events:
         print(f"recovery: step {event.step}, {event.strategy}, {event.seconds:.2f} s")
+    # The same with --no-kill: the recovery ended where the run without a failure ends.
+    print(f"final state digest: {result.state_digest()}")
 
 
 if __name__ == "__main__":

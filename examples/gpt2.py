@@ -66,6 +66,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", help="a text file (default: the stdlib's source)")
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument(
+        "--no-kill",
+        action="store_true",
+        help="train without the injected failure (its final state digest is the same)",
+    )
     parser.add_argument("--seq", type=int, default=64)
     args = parser.parse_args()
     try:
@@ -84,13 +89,17 @@ def main() -> None:
         microbatches=microbatches,
         name="gpt2",
     )
-    failures = FailureSchedule([Kill(step=args.steps // 2, stage=0, replica=0)])
+    failures = FailureSchedule(
+        [] if args.no_kill else [Kill(step=args.steps // 2, stage=0, replica=0)]
+    )
     result = Trainer(spec, topology=Topology(2, 2), failures=failures, progress=True).fit(
         args.steps
     )
     print(f"loss: step 0 {result.losses[0]:.3f} -> step {args.steps - 1} {result.losses[-1]:.3f}")
     for event in result.events:
         print(f"recovery: step {event.step}, {event.strategy}, {event.seconds:.2f} s")
+    # The same with --no-kill: the recovery ended where the run without a failure ends.
+    print(f"final state digest: {result.state_digest()}")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,11 @@ def cnn(width: int = 16) -> nn.Sequential:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument(
+        "--no-kill",
+        action="store_true",
+        help="train without the injected failure (its final state digest is the same)",
+    )
     args = parser.parse_args()
     per_replica, microbatches = 16, 2
     spec = TrainSpec.from_module(
@@ -54,7 +59,9 @@ def main() -> None:
         microbatches=microbatches,
         name="shapes-cnn",
     )
-    failures = FailureSchedule([Kill(step=args.steps // 2, stage=0, replica=1)])
+    failures = FailureSchedule(
+        [] if args.no_kill else [Kill(step=args.steps // 2, stage=0, replica=1)]
+    )
     trainer = Trainer(
         spec, topology=Topology(2, 2), failures=failures, progress=True, eval_every=20
     )
@@ -65,6 +72,8 @@ def main() -> None:
         print(f"held-out loss: {held_out[0]:.3f} (step 19) -> {held_out[-1]:.3f}")
     for event in result.events:
         print(f"recovery: step {event.step}, {event.strategy}, {event.seconds:.2f} s")
+    # The same with --no-kill: the recovery ended where the run without a failure ends.
+    print(f"final state digest: {result.state_digest()}")
 
 
 if __name__ == "__main__":

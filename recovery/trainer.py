@@ -12,12 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from parallelism.comm import BACKENDS, default_backend
 from parallelism.devices import check_device
 from parallelism.topology import Topology
 from recovery.events import RecoveryEvent
 from recovery.faults import FailureSchedule
+from recovery.fingerprint import digest
 from recovery.names import Strategy, Tier
 from recovery.plots import plot_loss
 from recovery.policy import RecoveryPolicy
@@ -75,6 +77,36 @@ class FitResult:
     def optimizer_state(self, stage: int, replica: int) -> dict[str, Any]:
         """The final optimizer state_dict of worker ``(stage, replica)``."""
         return self.states[(stage, replica)]["optimizer"]
+
+    def state_digest(self) -> str:
+        """A digest of every worker's whole final state (parameters, buffers, optimizer
+        state, progress): two runs ended bit-identical exactly when their digests are equal
+        (up to XXH3's 2^-64 per tensor) -- a run that recovered from failures, and the same
+        run without them, say.
+
+        Raises:
+            KeyError: if states were not collected (``Trainer(collect_states=False)``).
+        """
+        if not self.states:
+            raise KeyError("no final states: Trainer(collect_states=False)")
+        h = xxhash.xxh3_64()
+
+        def walk(obj: Any) -> None:
+            if isinstance(obj, torch.Tensor):
+                h.update(f"{obj.dtype}{tuple(obj.shape)}".encode())
+                h.update(digest(obj).encode())
+            elif isinstance(obj, dict):
+                for key in sorted(obj, key=str):
+                    h.update(repr(key).encode())
+                    walk(obj[key])
+            elif isinstance(obj, list | tuple):
+                for item in obj:
+                    walk(item)
+            else:
+                h.update(repr(obj).encode())
+
+        walk(self.states)
+        return h.hexdigest()
 
 
 def _snapshot_dir(policy: RecoveryPolicy, run_dir: RunDir | None) -> str | None:

@@ -21,6 +21,7 @@ from recovery import Hang, Kill, KillPoint, RecoveryError, RecoveryPolicy
 from recovery.chaos import differences
 from recovery.policy import Timeouts
 from recovery.runtime import Phase
+from recovery.trainer import final_trajectory
 from tests.jobs import STEPS, drive, make
 from tests.workloads import mlp_spec
 
@@ -360,3 +361,43 @@ def test_a_survivor_whose_vote_broke_after_everyone_elses_completed_is_rolled_fo
     assert event.step == 3 and event.lost == [] and event.lost_steps == 0
     assert [r.step for r in controller.records] == list(range(STEPS))
     assert_equal_states(controller.final_states, oracle)  # type: ignore[attr-defined]
+
+
+KILLS = Topology(2, 2)
+KILL_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def kill_oracle():  # type: ignore[no-untyped-def]
+    controller, _ = make(mlp_spec(), KILLS, steps=KILL_STEPS)
+    drive(controller)
+    return controller
+
+
+@pytest.mark.parametrize(
+    ("step", "rank", "at"),
+    [
+        (step, rank, at)
+        for step in range(KILL_STEPS)
+        for rank in range(KILLS.world_size)
+        for at in KillPoint
+    ],
+    ids=lambda v: str(v.value) if isinstance(v, KillPoint) else str(v),
+)
+def test_every_kill_of_every_worker_at_every_step_is_exact(
+    kill_oracle, step: int, rank: int, at: KillPoint
+) -> None:  # type: ignore[no-untyped-def]
+    """All of them, not a sample: one recovery, from the live replica, and the losses and
+    every final tensor (parameters, buffers, optimizer state) and progress bit-identical to
+    the run that never failed."""
+    worker = KILLS.worker(rank)
+    controller, _ = make(
+        mlp_spec(), KILLS, Kill(step=step, stage=worker.stage, replica=worker.replica, at=at),
+        steps=KILL_STEPS,
+    )  # fmt: skip
+    drive(controller)
+    assert controller.phase is Phase.FINISHED, controller.error
+    (event,) = controller.events
+    assert event.lost == [(worker.stage, worker.replica)] and event.strategy == "replica_copy"
+    assert final_trajectory(controller.records) == final_trajectory(kill_oracle.records)
+    assert_equal_states(controller.final_states, kill_oracle.final_states)  # type: ignore[attr-defined]

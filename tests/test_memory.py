@@ -144,7 +144,11 @@ def test_a_ray_workers_steady_steps_fault_in_almost_no_fresh_pages() -> None:
             memory.HUGE_PAGES in _environ(pid).get("GLIBC_TUNABLES", "").split(":") for pid in pids
         )
     )
-    assert max(per_step) < (2 if huge else 50), (per_step, huge)
+    if not huge:  # 0.07-12 with the pad against 7-20 without: no bound tells them apart
+        pytest.skip(
+            "workers without huge pages: the steady faults with and without the pad overlap"
+        )
+    assert max(per_step) < 2, per_step
 
 
 # -- huge pages ([Note: huge pages for a worker's heap]) -----------------------------------

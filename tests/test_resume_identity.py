@@ -12,10 +12,11 @@ import torch
 
 from parallelism import Topology
 from recovery import RecoveryPolicy
+from recovery.chaos import differences
 from recovery.identity import describe, job_identity
 from recovery.worker import StageWorker
-from tests.jobs import make
-from tests.workloads import adamw, mlp_spec, mlp_stage, regression_batches
+from tests.jobs import drive, make
+from tests.workloads import adamw, mlp_spec, regression_batches, relu_stage
 
 TOP = Topology(2, 1)
 POLICY = RecoveryPolicy(snapshot_every=None, durable_every=2)
@@ -25,6 +26,7 @@ def _run(spec, folder: Path, steps: int = 4):  # type: ignore[no-untyped-def]
     controller, _ = make(spec, TOP, policy=POLICY, snapshot_dir=str(folder), steps=steps)
     try:
         controller.run(steps)  # as Trainer.fit: the durable writes in flight land at the end
+        controller.final_states = controller.states()  # type: ignore[attr-defined]
     finally:
         controller.shutdown()
     return controller
@@ -35,7 +37,7 @@ def _run(spec, folder: Path, steps: int = 4):  # type: ignore[no-untyped-def]
     [
         ({"make_optimizer": functools.partial(adamw, lr=0.5)}, "optimizer"),
         ({"batches": functools.partial(regression_batches, size=16)}, "data"),
-        ({"build_stage": functools.partial(mlp_stage, width=16)}, "model"),
+        ({"build_stage": relu_stage}, "model"),
         ({"microbatches": 2}, "microbatches"),
     ],
     ids=["lr", "data", "model", "microbatches"],
@@ -49,9 +51,18 @@ def test_another_job_in_the_same_folder_is_refused_naming_what_differs(
 
 
 def test_the_same_job_resumes(tmp_path: Path) -> None:
+    """It resumes from the newest snapshot and ends where the job run in one go ends: the
+    same losses of the steps it ran, the same final state of every worker, bit for bit."""
     first = _run(mlp_spec(), tmp_path)
     again = _run(mlp_spec(), tmp_path, steps=6)
     assert first.step == 4 and again.resumed_from == 4 and again.step == 6
+    whole, _ = make(mlp_spec(), TOP, steps=6)
+    drive(whole)
+    assert [r.loss for r in again.records if r.step >= 4] == [
+        r.loss for r in whole.records if r.step >= 4
+    ]
+    found = differences(again.final_states, whole.final_states)  # type: ignore[attr-defined]
+    assert not found, found[:5]
 
 
 def test_the_identity_is_the_same_in_every_process_and_sees_inside_callbacks() -> None:

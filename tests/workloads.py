@@ -16,6 +16,11 @@ def mlp_stage(stage: int, num_stages: int, width: int = 16) -> nn.Module:
     return nn.Sequential(nn.Linear(width, width), nn.Tanh())
 
 
+def relu_stage(stage: int, num_stages: int) -> nn.Module:
+    """Another model of the same shapes as `mlp_stage`: its activation is a ReLU."""
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU())
+
+
 def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((out - target) ** 2).mean()
 

@@ -143,6 +143,9 @@ class ThreadWorkerGroup(WorkerGroup):
         """Spares asked for anywhere that found no room yet (their warm-up calls)."""
         self.started = 0
         """Workers created so far (spares included): what a test counts to see reuse."""
+        self.spare_gate: threading.Event | None = None
+        """Spares finish warming up only once this is set (None: at once) -- a spare that
+        takes its time, as a real one does (tests of a job that trains shrunk)."""
         self.chaos: Callable[[int, str], float | None] | None = None
         """An outside killer: called with (rank, method) as each call starts; a number
         kills that worker so many seconds later, from another thread, without telling the
@@ -279,7 +282,14 @@ class ThreadWorkerGroup(WorkerGroup):
     def _start_spare(self, node: str, warm: Callable[[], tuple[str, tuple[Any, ...]]]) -> None:
         spare = self._new(node)
         method, args = warm()
-        self._warming[id(spare)] = spare.main.submit(self._run, spare, method, args)
+        gate = self.spare_gate
+
+        def warm_up() -> Any:
+            if gate is not None:
+                gate.wait()
+            return self._run(spare, method, args)
+
+        self._warming[id(spare)] = spare.main.submit(warm_up)
         self._spares.append(spare)
 
     def await_spares(
@@ -388,6 +398,8 @@ class ThreadWorkerGroup(WorkerGroup):
         return future.result()
 
     def shutdown(self, *, clean: bool) -> None:
+        if self.spare_gate is not None:
+            self.spare_gate.set()  # no spare is left waiting on it
         workers = list(self._workers.values()) + self._spares
         self._workers, self._spares, self._warming, self._waiting = {}, [], {}, []
         for worker in workers:
