@@ -33,7 +33,9 @@ import datetime
 import math
 import os
 import socket
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -488,6 +490,53 @@ def _make_group(
     raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
 
 
+# [Note: process groups die on a thread of their own]
+# Destroying a Gloo group joins its threads, and a thread still waiting inside an operation
+# that nothing wakes (a peer that is alive but gone elsewhere) holds the join until the
+# operation's timeout -- minutes. Where the last reference to a closed group goes, its
+# destructor runs: in a worker's step thread, when an exception that ended a step is
+# dropped (its traceback's frames hold a group's bound method), or wherever the garbage
+# collector finds a cycle -- and there it stalls the worker (with workers as threads of
+# one process, one that holds a lock everyone needs stalls them all). So `StageComm.close`
+# hands its groups to `_Reaper`, which holds them until nothing else refers to them and
+# only then drops them, on its own daemon thread: a destructor that waits, waits there.
+
+
+class _Reaper:
+    """Holds closed process groups and drops each once it alone refers to it, on a daemon
+    thread of its own (see [Note: process groups die on a thread of their own])."""
+
+    _POLL_S = 0.2
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._groups: list[_Group] = []
+        self._thread: threading.Thread | None = None
+
+    def bury(self, groups: list[_Group]) -> None:
+        with self._lock:
+            self._groups.extend(groups)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="checkfree-reaper", daemon=True
+                )
+                self._thread.start()
+        groups.clear()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self._POLL_S)
+            with self._lock:
+                # 3 references: the list's, the loop's and getrefcount's own argument
+                done = [g for g in self._groups if sys.getrefcount(g) <= 3]
+                self._groups = [g for g in self._groups if all(g is not d for d in done)]
+            while done:
+                done.pop()  # the last reference: its destructor runs here
+
+
+_REAPER = _Reaper()
+
+
 class StageComm:
     """One worker's process groups for one generation.
 
@@ -893,9 +942,7 @@ class StageComm:
         self._side = None
         self._store = None
         abort_groups(groups)
-        # Destroying a Gloo group joins its threads, which can take a second on a busy
-        # machine; nobody needs to wait for that.
-        threading.Thread(target=groups.clear, name="drop-process-groups", daemon=True).start()
+        _REAPER.bury(groups)  # see [Note: process groups die on a thread of their own]
 
     @property
     def closed(self) -> bool:

@@ -180,3 +180,37 @@ class MaskedPairs(torch.utils.data.Dataset):  # type: ignore[type-arg]
         x = torch.randn(self.width, generator=g)
         mask = (torch.rand(self.width) < 0.5).float()  # the global generator
         return x * mask, mask
+
+
+def held_out_batches(index: int, replica: int, num_replicas: int):  # type: ignore[no-untyped-def]
+    """Held-out batches for `mlp_spec` (another draw than any training step's)."""
+    return regression_batches(10_000 + index, replica, num_replicas)
+
+
+def transformer_stage(stage: int, num_stages: int, vocab: int = 32, dim: int = 16) -> nn.Module:
+    """Stage ``stage`` of a small language model: token embedding first, an encoder layer
+    (attention, feed-forward, LayerNorm, dropout) in every stage, the head last."""
+    parts: list[nn.Module] = []
+    if stage == 0:
+        parts.append(nn.Embedding(vocab, dim))
+    parts.append(nn.TransformerEncoderLayer(dim, 2, 2 * dim, dropout=0.1, batch_first=True))
+    if stage == num_stages - 1:
+        parts.append(nn.Linear(dim, vocab))
+    return nn.Sequential(*parts)
+
+
+def transformer_spec(per_replica: int = 4, microbatches: int = 2, **overrides) -> TrainSpec:  # type: ignore[no-untyped-def]
+    """`transformer_stage` on `TokenSequences`, next-token loss, held-out sequences."""
+    from recovery import batches_from_dataset
+
+    kwargs = dict(
+        build_stage=transformer_stage,
+        loss_fn=lm_loss,
+        make_optimizer=functools.partial(torch.optim.AdamW, lr=3e-3),
+        batches=batches_from_dataset(TokenSequences(64), per_replica),
+        val_batches=batches_from_dataset(TokenSequences(16, vocab=32), per_replica, seed=1),
+        microbatches=microbatches,
+        name="transformer",
+    )
+    kwargs.update(overrides)
+    return TrainSpec(**kwargs)

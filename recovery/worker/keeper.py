@@ -44,6 +44,9 @@ class SnapshotKeeper:
         self._durable: DurableStore | None = None
         self._writes: dict[int, WriteHandle] = {}
         self._exchange: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._round = 0
+        """The current exchange's number: a copy arriving from an older one is dropped."""
 
     def forget_peers(self) -> None:
         """Drop every peer copy (a worker set up afresh holds none)."""
@@ -103,15 +106,20 @@ class SnapshotKeeper:
         step = packed.step
         self.peer.put(step, rank, packed)
         if comm is not None and buddy is not None and ward is not None and buddy != rank:
+            with self._lock:
+                self._round += 1
+                round_ = self._round
             self._exchange = threading.Thread(
                 target=self._swap,
-                args=(comm, step, packed, buddy, ward),
+                args=(comm, step, packed, buddy, ward, round_),
                 name="peer-snapshot",
                 daemon=True,
             )
             self._exchange.start()
 
-    def _swap(self, comm: StageComm, step: int, packed: PackedState, buddy: int, ward: int) -> None:
+    def _swap(
+        self, comm: StageComm, step: int, packed: PackedState, buddy: int, ward: int, round_: int
+    ) -> None:
         header = torch.frombuffer(bytearray(packed.header()), dtype=torch.uint8)
         sizes = torch.tensor([header.numel(), packed.nbytes], dtype=torch.int64)
         try:
@@ -120,15 +128,23 @@ class SnapshotKeeper:
             theirs = _checked_sizes(comm.side_recv(torch.empty(2, dtype=torch.int64), ward), ward)
             their_header = comm.side_recv(torch.empty(int(theirs[0]), dtype=torch.uint8), ward)
             data = comm.side_recv(torch.empty(int(theirs[1]), dtype=torch.uint8), ward)
+            copy = PackedState.from_parts(their_header.numpy().tobytes(), data)
+            with self._lock:  # the ward's copy is whole, whatever becomes of ours
+                if round_ == self._round:  # (an exchange given up keeps nothing)
+                    self.peer.put(step, ward, copy)
             comm.side_wait(works)
-            self.peer.put(step, ward, PackedState.from_parts(their_header.numpy().tobytes(), data))
         except Exception:  # the generation ended under us: the snapshot is simply incomplete
             return
 
-    def join_exchange(self) -> None:
-        """Wait (boundedly) for the peer exchange in flight, if any."""
+    def join_exchange(self, timeout: float = 60.0) -> None:
+        """Wait (at most ``timeout`` seconds) for the peer exchange in flight, if any. One
+        still running then is given up: a copy it receives later is dropped, not kept (it
+        could be of a timeline a rollback has left meanwhile)."""
         if self._exchange is not None:
-            self._exchange.join(timeout=60.0)
+            self._exchange.join(timeout=timeout)
+            if self._exchange.is_alive():
+                with self._lock:
+                    self._round += 1
             self._exchange = None
 
     def send(self, comm: StageComm, step: int, ward: int, dst: int) -> int:

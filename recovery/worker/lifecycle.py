@@ -32,6 +32,10 @@ from recovery.worker.reports import WorkerInfo
 
 __all__ = ["WorkerLifecycle"]
 
+_EXCHANGE_AFTER_CLOSE_S = 2.0
+"""How long leaving a generation waits for a peer-snapshot exchange its groups' teardown
+did not end (one blocked on a peer that is gone)."""
+
 
 class WorkerLifecycle:
     """Setup, generations, reset and warm-up of one worker.
@@ -244,11 +248,16 @@ class WorkerLifecycle:
         return time.perf_counter() - start
 
     def leave(self) -> None:
-        """Tear down the current generation's process groups (idempotent)."""
+        """Tear down the current generation's process groups (idempotent).
+
+        A peer-snapshot exchange still in flight fails with them -- or, waiting on a peer
+        that is gone, is given up after a moment: leaving never waits on a peer (a live
+        worker that kept its controller waiting here would be taken for lost).
+        """
         if self.comm is not None:
             self.comm.close()
             self.comm = None
-        self.snapshots.join_exchange()
+        self.snapshots.join_exchange(timeout=_EXCHANGE_AFTER_CLOSE_S)
 
     def reset(self, release: bool = True) -> None:
         """Drop the job: process groups, module, optimizer. The process stays warm for reuse.
