@@ -32,6 +32,7 @@ import contextlib
 import datetime
 import math
 import os
+import queue
 import socket
 import sys
 import threading
@@ -499,12 +500,17 @@ def _make_group(
 # collector finds a cycle -- and there it stalls the worker (with workers as threads of
 # one process, one that holds a lock everyone needs stalls them all). So `StageComm.close`
 # hands its groups to `_Reaper`, which holds them until nothing else refers to them and
-# only then drops them, on its own daemon thread: a destructor that waits, waits there.
+# then drops each on a daemon thread of its own: a destructor that waits, waits there,
+# and holds up nothing else (not even the next group's).
+
+
+def _drop(box: list[_Group]) -> None:
+    box.pop()  # the last reference: the group's destructor runs on this thread
 
 
 class _Reaper:
-    """Holds closed process groups and drops each once it alone refers to it, on a daemon
-    thread of its own (see [Note: process groups die on a thread of their own])."""
+    """Holds closed process groups and drops each once it alone refers to it, each on a
+    daemon thread of its own (see [Note: process groups die on a thread of their own])."""
 
     _POLL_S = 0.2
 
@@ -531,10 +537,47 @@ class _Reaper:
                 done = [g for g in self._groups if sys.getrefcount(g) <= 3]
                 self._groups = [g for g in self._groups if all(g is not d for d in done)]
             while done:
-                done.pop()  # the last reference: its destructor runs here
+                box = [done.pop()]
+                threading.Thread(target=_drop, args=(box,), name="drop-group", daemon=True).start()
+                del box
 
 
 _REAPER = _Reaper()
+
+
+class _Waiter:
+    """A thread that waits on point-to-point works for a caller that must be able to give
+    up (see `StageComm._wait_point_to_point`). One work at a time, in order; a work the
+    caller gave up on keeps the thread until Gloo ends it (its connections are cut: soon,
+    or at Gloo's timeout), after which the thread serves the next."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Waitable, threading.Event, list[BaseException]]]
+        self._queue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="checkfree-p2p-wait", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            work, done, error = self._queue.get()
+            try:
+                work.wait()
+            except BaseException as exc:  # handed to the caller
+                error.append(exc)
+            finally:
+                done.set()
+            del work, done, error
+
+    def wait(self, work: Waitable, given_up: Callable[[], bool]) -> bool:
+        """Wait for ``work`` (raising its error); False once ``given_up()`` says to stop."""
+        done = threading.Event()
+        error: list[BaseException] = []
+        self._queue.put((work, done, error))
+        while not done.wait(_WAIT_SLICE.total_seconds()):
+            if given_up():
+                return False
+        if error:
+            raise error[0]
+        return True
 
 
 class StageComm:
@@ -646,6 +689,7 @@ class StageComm:
             else None
         )
         self._mesh: Mesh | None = None
+        self._waiter: _Waiter | None = None
         self._collective_timeout = collective
         self._pending: list[tuple[dist.Work, torch.Tensor, int]] = []
         self._blocked_on: int | None = None
@@ -730,12 +774,31 @@ class StageComm:
         try:
             if self.backend == "gloo" and peer == -1:
                 self._wait_collective(work)
+            elif self.backend == "gloo":
+                self._wait_point_to_point(work)
             else:
                 work.wait()  # NCCL: enqueues a stream wait, the CPU does not block
-                if self.backend == "nccl":
-                    self._queued.queued_wait(peer)
+                self._queued.queued_wait(peer)
         finally:
             self._blocked_on = None
+
+    def _wait_point_to_point(self, work: Waitable) -> None:
+        """Block on a Gloo send or receive until it completes or this worker's groups are
+        closed: cutting the connections wakes it, except in the race of `_wait_collective`,
+        which sends and receives meet too under load (a transfer a dead peer will never
+        finish then waits for Gloo's timeout). Their wait cannot be sliced -- Gloo would
+        fail the transfer itself when a slice ran out -- so one waits on a helper thread
+        (`_Waiter`) while this one checks, in slices, whether the groups were closed."""
+        if work.is_completed():
+            work.wait()  # its result, or its error
+            return
+        if self._waiter is None:
+            self._waiter = _Waiter()
+        if not self._waiter.wait(work, lambda: self.closed):
+            raise RuntimeError(
+                "Connection closed: this worker's process groups were torn down while it "
+                "waited on a peer"
+            )
 
     def _wait_collective(self, work: Waitable) -> None:
         """Block on a Gloo collective until it completes or this worker's groups are closed.

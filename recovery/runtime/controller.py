@@ -435,13 +435,13 @@ class Controller:
         broke = self._wait_commit()  # the last step's, if it was pipelined
         nxt = step + count
         if broke:  # died applying it: this step cannot complete, and is run again
-            abort_pending(self.group)(list(calls.values()))
+            abort_pending(self.group, self.generation)(list(calls.values()))
         elif decide and self._may_send_ahead(nxt):
             # the next steps wait in the workers' queues behind these
             # (see [Note: workers decide the commit] in recovery/worker/stage.py)
             n = self._batch(nxt)
             self._ahead = (nxt, n, self._submit(nxt, n, {}, False, True))
-        outcome = await_step(self.group, calls, self.policy.timeouts.hang)
+        outcome = await_step(self.group, calls, self.policy.timeouts.hang, self.generation)
         outcome.lost.update(broke)
         if decide:
             # Steps sent ahead began when the last one ended, not when this call began.
@@ -670,8 +670,8 @@ class Controller:
         assert self.group is not None
         calls = ahead[2]
         if not outcome.ok:
-            abort_pending(self.group)(list(calls.values()))
-        return await_step(self.group, calls, self.policy.timeouts.hang)
+            abort_pending(self.group, self.generation)(list(calls.values()))
+        return await_step(self.group, calls, self.policy.timeouts.hang, self.generation)
 
     def _may_pipeline(self, nxt: int) -> bool:
         """Whether step ``nxt``'s calls may go out before the step before it is settled:
@@ -773,7 +773,7 @@ class Controller:
         assert self.group is not None
         ranks = self.members.present()
         calls = {r: self.group.submit(r, method, *args(r)) for r in ranks}
-        return await_step(self.group, calls, self.policy.timeouts.hang)
+        return await_step(self.group, calls, self.policy.timeouts.hang, self.generation)
 
     def _fail(
         self,
@@ -1029,7 +1029,7 @@ class Controller:
         assert self.group is not None and self._recovery is not None
         rec = self._recovery
         t0 = time.perf_counter()
-        ctx = self.persistence.restore_context()
+        ctx = self.persistence.restore_context(self.generation)
         rec.plan, moved = execute_or_fall_back(ctx, rec.plan, lambda: self._plan(rec))
         try:
             moved += self.layout.seed_mirrors(

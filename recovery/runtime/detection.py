@@ -70,17 +70,21 @@ class StepOutcome:
 
 
 def await_step(
-    group: WorkerGroup, calls: Mapping[int, Call], hang_timeout: timedelta | float
+    group: WorkerGroup,
+    calls: Mapping[int, Call],
+    hang_timeout: timedelta | float,
+    generation: int | None = None,
 ) -> StepOutcome:
     """Wait for a step's reports; abort the rest at the first failure; kill hung workers
-    (see [Note: failure detection]).
+    (see [Note: failure detection]). ``generation``: the one the step runs in (an abort
+    that reaches a worker only once it is in a newer one is ignored there).
 
     Raises:
         Exception: the original error of a worker whose own code raised.
     """
     hang_s = seconds(hang_timeout)
     every = min(max(hang_s / 4, 0.05), 5.0)
-    abort = abort_pending(group)
+    abort = abort_pending(group, *(() if generation is None else (generation,)))
     waiting = list(calls.values())
     failed_at: float | None = None
     hung: set[int] = set()
@@ -127,16 +131,19 @@ def settle(
     timeout: timedelta | float,
     *,
     on_failure: Callable[[list[Call]], None] | None = None,
+    generation: int | None = None,
 ) -> CallResults:
     """Wait for ``calls`` that depend on each other (transfers, group formation); at the
     first one that fails, run ``on_failure`` on those still pending (default: tell their
-    workers to abort) so that nobody waits on a peer that will never answer.
+    workers to abort ``generation``'s work) so that nobody waits on a peer that will
+    never answer.
 
     Raises:
         Exception: the original error of a worker whose own code raised (not a
             communication error, see `WorkerGroup.gather`).
     """
-    _wait_or_abort(group, calls, timeout, _returned, on_failure or abort_pending(group))
+    default = abort_pending(group, *(() if generation is None else (generation,)))
+    _wait_or_abort(group, calls, timeout, _returned, on_failure or default)
     return group.gather(calls, timeout=0)
 
 

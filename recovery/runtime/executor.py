@@ -58,6 +58,8 @@ class Restore:
     durable: DurableStore | None = None
     snapshot_dir: str | None = None
     checkpoint_dir: str = ""
+    generation: int | None = None
+    """The generation the transfers run in (what an abort at a failure names)."""
 
 
 def _replica_copy(ctx: Restore, actions: Sequence[RecoveryAction], step: int) -> Transfers:
@@ -125,7 +127,8 @@ PER_ACTION: dict[Strategy, Callable[[Restore, Sequence[RecoveryAction], int], Tr
 
 def _gather(ctx: Restore, calls: Transfers, what: str) -> dict[tuple[int, str], Any]:
     """Wait for a plan's transfers; the first to fail aborts the rest (see `settle`)."""
-    return dict(require(settle(ctx.group, calls, ctx.timeout), what).results)
+    got = settle(ctx.group, calls, ctx.timeout, generation=ctx.generation)
+    return dict(require(got, what).results)
 
 
 def _sent(results: dict[tuple[int, str], Any]) -> int:

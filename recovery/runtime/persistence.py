@@ -84,9 +84,11 @@ class Persistence:
             **self._identity,
         }
 
-    def restore_context(self) -> Restore:
-        """What the executor needs to carry out a plan (snapshots and checkpoints included)."""
+    def restore_context(self, generation: int | None = None) -> Restore:
+        """What the executor needs to carry out a plan (snapshots and checkpoints included)
+        in ``generation``."""
         return Restore(
+            generation=generation,
             group=self.group,
             topology=self.topology,
             spec=self.spec,
