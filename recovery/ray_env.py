@@ -56,12 +56,15 @@ def connect(*, num_cpus: int | None = None, log_to_driver: bool = False) -> bool
 
 
 @contextlib.contextmanager
-def local_cluster(cpus_per_node: int, worker_nodes: int = 2) -> Iterator[tuple[Any, list[Any]]]:
-    """A multi-node ``ray.cluster_utils.Cluster`` on loopback -- a head and ``worker_nodes``
-    nodes of ``cpus_per_node`` CPUs each, every one a real raylet that can be removed
-    (``cluster.remove_node``) and added -- with this process connected to it; yields the
-    cluster and its worker nodes and tears everything down after. A Ray this process was
-    already connected to is shut down first. For tests and scripts/chaos.py."""
+def local_cluster(
+    cpus_per_node: int, worker_nodes: int = 2, head_cpus: int | None = None
+) -> Iterator[tuple[Any, list[Any]]]:
+    """A multi-node ``ray.cluster_utils.Cluster`` on loopback -- a head (``head_cpus``
+    CPUs, default ``cpus_per_node``) and ``worker_nodes`` nodes of ``cpus_per_node`` CPUs
+    each, every one a real raylet that can be removed (``cluster.remove_node``) and added --
+    with this process connected to it; yields the cluster and its worker nodes and tears
+    everything down after. A Ray this process was already connected to is shut down first.
+    For tests and scripts/chaos.py."""
     from ray.cluster_utils import Cluster
 
     from recovery.pool import POOL
@@ -70,7 +73,10 @@ def local_cluster(cpus_per_node: int, worker_nodes: int = 2) -> Iterator[tuple[A
         POOL.clear()
         ray.shutdown()
     _loopback_only()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node})
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": cpus_per_node if head_cpus is None else head_cpus},
+    )
     try:
         workers = [cluster.add_node(num_cpus=cpus_per_node) for _ in range(worker_nodes)]
         cluster.wait_for_nodes()

@@ -242,3 +242,26 @@ def test_the_elastic_soak_survives_a_hundred_kills_shrinking_and_growing() -> No
     within = re.search(r", (\d+) that shrank within", out)
     assert figures["exact"] + (int(within.group(1)) if within else 0) == figures["jobs"], out
     assert re.search(r"recoveries: .*shrink \d+", out) and re.search(r"grow", out), out[-3000:]
+
+
+SOAK_NO_SPARES = [
+    "--kills", "100", "--mean-interval", "3", "--burst-prob", "0.5", "--seed", "0", "--steps", "300",
+    "--hot-spares", "0", "--durable-every", "0", "--keep-a-replica",
+]  # fmt: skip
+"""Issue 31's soak (the README's command): no spare and no durable tier, half the kills in
+bursts, every replacement cold; the monkey never takes a stage's last live replica, so every
+job must survive -- a live worker is never thrown away -- and end bit-identical."""
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.timeout(4000)
+@pytest.mark.parametrize("model", ["mlp", "bn-cnn"])
+def test_the_soak_without_spares_or_a_durable_tier_loses_no_job(model: str) -> None:
+    rc, out = _chaos(*SOAK_NO_SPARES, "--model", model, timeout_s=3900)
+    figures = _figures(out)
+    assert rc == 0, out[-5000:]
+    assert figures["landed"] >= 100 and figures["bursts"] > 0 and figures["died"] == 0, out
+    assert "0 lost after some stage had no live replica left" in out, out[-3000:]
+    assert figures["exact"] == figures["jobs"] == figures["survived"], out
+    assert re.search(r"[1-9]\d* interrupted by a further failure", out), out[-3000:]

@@ -19,6 +19,7 @@ import pytest
 from parallelism import Topology
 from recovery import RecoveryPolicy, Trainer
 from recovery.chaos import differences
+from recovery.ray_env import local_cluster
 from tests.workloads import mlp_spec
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
@@ -30,26 +31,8 @@ TOP = Topology(2, 2)
 @pytest.fixture
 def cluster():  # type: ignore[no-untyped-def]
     """A head with no CPUs (it holds the driver, never a worker) and two 2-CPU nodes."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    from recovery.pool import POOL
-    from recovery.ray_env import _loopback_only
-
-    if ray.is_initialized():
-        POOL.clear()
-        ray.shutdown()
-    _loopback_only()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    try:
-        nodes = [c.add_node(num_cpus=2) for _ in range(2)]
-        c.wait_for_nodes()
-        ray.init(address=c.address)
-        yield c, nodes
-    finally:
-        POOL.clear()
-        ray.shutdown()
-        c.shutdown()
+    with local_cluster(2, worker_nodes=2, head_cpus=0) as made:
+        yield made
 
 
 def _trainer(policy: RecoveryPolicy | None = None) -> Trainer:
