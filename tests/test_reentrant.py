@@ -10,6 +10,7 @@ failed, bit for bit.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -163,6 +164,68 @@ def test_a_recovery_that_keeps_failing_gives_up_with_a_recovery_error() -> None:
     assert isinstance(controller.error, RecoveryError)
     assert f"{MAX_INTERRUPTIONS} failures during the recovery" in str(controller.error)
     assert "replacing" in str(controller.error)
+
+
+def test_a_recovery_gives_up_on_one_place_dying_again_or_calls_failing_with_all_alive() -> None:
+    """`Failure.hopeless`, alone: deaths spread over ranks never; one rank's 8th death, or
+    8 interruptions in a row that lost nobody, do -- and a death resets the quiet count."""
+    from recovery.errors import RecoveryInterrupted
+    from recovery.runtime.records import Failure
+
+    def failure() -> Failure:
+        return Failure(step=3, lost={0}, cause="killed", detected_at=0.0, struck_at=0.0,
+                       errors={}, generation=0)  # fmt: skip
+
+    def hit(f: Failure, lost: set[int]) -> str | None:
+        f.interrupt("reforming", RecoveryInterrupted("x", lost=lost, broken={5}),
+                    rebuilding=set(), survivors_restored=False)  # fmt: skip
+        return f.hopeless(MAX_INTERRUPTIONS, TOP)
+
+    spread = failure()
+    assert [hit(spread, {i % 5}) for i in range(3 * MAX_INTERRUPTIONS)] == [None] * 24
+    same = failure()
+    assert [hit(same, {1}) for _ in range(MAX_INTERRUPTIONS)][-2:] == [
+        None, f"worker {TOP.worker(1)}'s new workers died {MAX_INTERRUPTIONS} times"
+    ]  # fmt: skip
+    quiet = failure()
+    assert [hit(quiet, set()) for _ in range(MAX_INTERRUPTIONS - 1)] == [None] * 7
+    assert hit(quiet, {2}) is None and hit(quiet, set()) is None  # a death: counting anew
+    for _ in range(MAX_INTERRUPTIONS - 2):
+        hit(quiet, set())
+    assert (
+        hit(quiet, set()) == f"{MAX_INTERRUPTIONS} interruptions in a row with every worker alive"
+    )
+
+
+def test_deaths_spread_over_the_job_never_make_it_give_up(oracle) -> None:  # type: ignore[no-untyped-def]
+    """Outside kills faster than the recovery (found by scripts/chaos.py without spares): a
+    worker of three places dies in turn while the groups form, 14 deaths, more interruptions
+    than MAX_INTERRUPTIONS but none of the three places near it. A replica of every stage
+    lives throughout, so the job goes on and ends exact (before, it gave up at 8)."""
+    places = [LOST, TOP.rank(0, 0), TOP.rank(0, 1)]  # (0,2) keeps stage 0's state
+    kills: list[tuple[int, int]] = []  # (rank, the failure's interruptions so far)
+    controller, group = make(mlp_spec(), TOP, FIRST, nodes=3)
+
+    lock = threading.Lock()
+
+    def rule(rank: int, method: str) -> float | None:  # one death per attempt
+        failure = controller._failure
+        attempt = len(failure.interruptions) if failure is not None else -1
+        with lock:
+            if method != "join" or len(kills) == 14 or (kills and kills[-1][1] == attempt):
+                return None
+            if rank == places[len(kills) % len(places)]:
+                kills.append((rank, attempt))
+                return 0.0
+        return None
+
+    group.chaos = rule
+    drive(controller)
+    assert controller.phase is Phase.FINISHED, controller.error
+    assert len(kills) == 14
+    (event,) = controller.events
+    assert len(event.interruptions) > MAX_INTERRUPTIONS, event.interruptions
+    assert_equal_states(controller.final_states, oracle)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("victim", [TOP.rank(0, 0), TOP.rank(1, 2)], ids=["(0,0)", "(1,2)"])

@@ -25,7 +25,11 @@ new workers hold nothing trustworthy yet). Planning then runs on what really sur
 exactly as if the failures had been spaced out; survivors' states are untouched by a
 recovery except by a rollback's load, so an interrupted rollback marks the failure
 `suspect` and the next plan rolls everyone back. When the redundancy is gone the planner
-says so (`RedundancyExhausted`), and after `MAX_INTERRUPTIONS` the job gives up.
+says so (`RedundancyExhausted`). The job gives up only where retrying cannot help: one
+rank's new workers died `MAX_INTERRUPTIONS` times (nothing survives in that place), or as
+many interruptions in a row lost nobody. Deaths spread over the job do not count against
+it -- a burst of outside kills faster than a cold recovery interrupts it again and again,
+and it goes on while a replica of every stage lives.
 
 [Note: live workers are kept]
 A worker is lost only when it is dead, hung past the hang timeout, or outvoted by its
@@ -113,7 +117,8 @@ log = logging.getLogger("checkfree")
 _GROW = "grow"
 """The cause of a grow's `Failure` (nothing failed: the missing workers' spares are ready)."""
 MAX_INTERRUPTIONS = 8
-"""Failures during one recovery before the job gives up (see [Note: re-entrant recovery])."""
+"""Deaths of one rank's workers, or interruptions in a row that lose nobody, during one
+recovery before the job gives up (`Failure.hopeless`; see [Note: re-entrant recovery])."""
 COMM_BACKOFF_S = 0.25
 """The wait before the first retry of a step that failed with nobody lost; it doubles."""
 MAX_COMM_BACKOFF_S = 8.0
@@ -403,14 +408,15 @@ class Controller:
         """A failure during the recovery: plan again with it (see [Note: re-entrant recovery])."""
         failure, rec = self._failure, self._recovery
         assert failure is not None
-        if len(failure.interruptions) >= MAX_INTERRUPTIONS:
-            last = f"{self.phase.value}: {exc}"
-            why = f"{MAX_INTERRUPTIONS} failures during the recovery, the last: {last}"
-            self._give_up(RecoveryError(f"{failure.describe(self.topology)}\n{why}"))
-            return
         restored = rec is not None and self.phase is Phase.RESTORING and rec.restores_survivors()
         rebuilding = rec.lost if rec is not None else set()
         failure.interrupt(self.phase.value, exc, rebuilding=rebuilding, survivors_restored=restored)
+        hopeless = failure.hopeless(MAX_INTERRUPTIONS, self.topology)
+        if hopeless is not None:
+            last = f"{self.phase.value}: {exc}"
+            why = f"{len(failure.interruptions)} failures during the recovery ({hopeless}), the last: {last}"
+            self._give_up(RecoveryError(f"{failure.describe(self.topology)}\n{why}"))
+            return
         log.warning("recovery interrupted (%s: %s); planning again", self.phase.value, exc)
         self._carried = rec.breakdown if rec is not None else {}
         self._recovery = None

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import time
 from collections.abc import Collection, Mapping
@@ -104,6 +105,10 @@ class Failure:
     """Lost ranks whose worker is a live replacement that holds nothing yet (the recovery
     that started it was interrupted): its process is kept and set up afresh, not killed
     and started again (see [Note: live workers are kept])."""
+    deaths: collections.Counter[int] = field(default_factory=collections.Counter)
+    """Per rank, how many of its workers died during the recovery."""
+    quiet: int = 0
+    """Interruptions in a row in which no worker died (calls broke with everyone alive)."""
 
     def interrupt(
         self,
@@ -118,10 +123,26 @@ class Failure:
         and survivors a restore wrote to make the state suspect. ``error``'s broken ranks
         (alive, their call failed because a peer died) are not lost."""
         self.lost |= error.lost | rebuilding
+        self.deaths.update(error.lost)
+        self.quiet = 0 if error.lost else self.quiet + 1
         self.blanks = (self.blanks | rebuilding) - error.lost
         self.errors.update({r: f"during recovery: {error}" for r in error.lost | error.broken})
         self.suspect |= survivors_restored
         self.interruptions.append(f"{phase}: {error}")
+
+    def hopeless(self, limit: int, topology: Topology) -> str | None:
+        """Why the recovery should stop retrying, or None: some rank's new workers died
+        ``limit`` times (a place where no worker survives: a broken node or environment), or
+        ``limit`` interruptions in a row lost nobody (the calls themselves keep failing).
+        Deaths spread over many ranks do not count against it: each takes real redundancy,
+        and the planner says when there is none left."""
+        if self.deaths:
+            rank, died = self.deaths.most_common(1)[0]
+            if died >= limit:
+                return f"worker {topology.worker(rank)}'s new workers died {died} times"
+        if self.quiet >= limit:
+            return f"{self.quiet} interruptions in a row with every worker alive"
+        return None
 
     def describe(self, topology: Topology) -> str:
         lines = [f"step {self.step} failed in generation {self.generation} ({self.cause}):"]
