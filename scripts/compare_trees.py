@@ -8,7 +8,7 @@ new, ... so that the machine's faster and slower minutes fall on both alike -- e
 fresh process with that tree first on its path (its Ray workers inherit it), cold
 replacement and warm spare. Prints, per size and spare setting, the steady step and kill
 -> both training again of each tree (median, min-max) and the new tree's ratio to the
-old. Every figure is measured by this run, on this machine.
+old, then where the recovery's time went (its breakdown). Every figure is measured by this run, on this machine.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from recovery.ray_env import connect
 connect()
 with tempfile.TemporaryDirectory() as tmp:
     steady, back = peers.run_checkfree(int(sys.argv[1]), int(sys.argv[2]), Path(tmp))
-print(json.dumps({"steady": steady, "back": back}))
+print(json.dumps({"steady": steady, "back": back, **peers.RECOVERIES[-1].breakdown}))
 """
 
 
@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new", type=Path, default=Path("."), help="the checkout under test")
     p.add_argument("--sizes", default="10,100", help="parameter megabytes, comma-separated")
     p.add_argument("--repeats", type=int, default=3, help="runs per tree, size and spare setting")
+    p.add_argument(
+        "--spares", default="0,1", help="hot spares per run, comma-separated (0: cold, 1: warm)"
+    )
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import peers
@@ -84,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     for size in [int(s) for s in args.sizes.split(",") if s]:
         width = peers.WIDTHS.get(size) or int(((size * 2**20 / 4) / 4) ** 0.5)
         for rep in range(args.repeats):
-            for spares in (0, 1):
+            for spares in [int(s) for s in args.spares.split(",") if s]:
                 for name, tree in trees.items():
                     print(
                         f"[{size} MB, spares {spares}] {name} run {rep + 1}/{args.repeats}",
@@ -110,6 +113,15 @@ def main(argv: list[str] | None = None) -> int:
             f"| {size} MB | {kind} | {name} | {_fmt(steady)} | {ratio_steady:.2f} | "
             f"{_fmt(back)} | {ratio_back:.2f} |"
         )
+    phases = ("detect", "replace", "reform", "transfer", "resume")
+    print("\nwhere kill -> both training went (medians, seconds)")
+    print("| size | replacement | tree | " + " | ".join(phases) + " |")
+    print("|---|---|---|" + "---|" * len(phases))
+    for size, spares, name in sorted(results, key=lambda k: (k[0], k[1], k[2] != "old")):
+        runs = results[(size, spares, name)]
+        cells = [f"{statistics.median(r.get(ph, 0.0) for r in runs):.3f}" for ph in phases]
+        kind = "warm spare" if spares else "cold"
+        print(f"| {size} MB | {kind} | {name} | " + " | ".join(cells) + " |")
     return 0
 
 
