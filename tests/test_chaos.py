@@ -184,6 +184,7 @@ def _figures(out: str) -> dict[str, int]:
     return figures
 
 
+@pytest.mark.slow  # (the default run has tests/test_outside_kills.py's kills from outside)
 @pytest.mark.ray
 @pytest.mark.timeout(400)
 def test_a_short_chaos_run_survives_every_kill_bit_identical() -> None:

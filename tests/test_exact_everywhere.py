@@ -49,6 +49,8 @@ from tests.workloads import bn_cnn_spec, held_out_batches, mlp_spec, transformer
 STEPS = 8
 STATE_RTOL = 1e-4
 """A shrunk job of 3+ replicas against the failure-free run (as scripts/chaos.py holds it)."""
+CI_EXAMPLES = 16
+"""Derandomized draws in the default run (scripts/test_slow.sh runs 100 random ones more)."""
 EXAMPLES = int(os.environ.get("CHECKFREE_EXAMPLES", "0"))
 """Random examples to run instead of CI's fixed ones (0: CI's)."""
 
@@ -324,7 +326,7 @@ def _settings(**kwargs: Any) -> Any:
     )
     if EXAMPLES:
         return settings(max_examples=EXAMPLES, **common, **kwargs)
-    return settings(max_examples=24, derandomize=True, **common, **kwargs)
+    return settings(max_examples=CI_EXAMPLES, derandomize=True, **common, **kwargs)
 
 
 @pytest.mark.timeout(0 if EXAMPLES else 600)
