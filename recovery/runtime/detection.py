@@ -84,7 +84,7 @@ def await_step(
     """
     hang_s = seconds(hang_timeout)
     every = min(max(hang_s / 4, 0.05), 5.0)
-    abort = abort_pending(group, *(() if generation is None else (generation,)))
+    abort = abort_pending(group, generation)
     waiting = list(calls.values())
     failed_at: float | None = None
     hung: set[int] = set()
@@ -142,8 +142,8 @@ def settle(
         Exception: the original error of a worker whose own code raised (not a
             communication error, see `WorkerGroup.gather`).
     """
-    default = abort_pending(group, *(() if generation is None else (generation,)))
-    _wait_or_abort(group, calls, timeout, _returned, on_failure or default)
+    abort = on_failure or abort_pending(group, generation)
+    _wait_or_abort(group, calls, timeout, _returned, abort)
     return group.gather(calls, timeout=0)
 
 
@@ -174,13 +174,16 @@ def _wait_or_abort(
     return waiting
 
 
-def abort_pending(group: WorkerGroup, *args: Any) -> Callable[[list[Call]], None]:
+def abort_pending(
+    group: WorkerGroup, generation: int | None = None
+) -> Callable[[list[Call]], None]:
     """What tells the workers of pending calls to abort (each once, on its control thread;
-    ``args``: the abort's, e.g. the generation whose formation is given up)."""
+    ``generation``: the one whose work is given up, formation included; None: whatever
+    the worker runs)."""
 
     def abort(pending: list[Call]) -> None:
         for rank in dict.fromkeys(call.rank for call in pending):
-            group.submit(rank, "abort", *args)
+            group.submit(rank, "abort", generation)
 
     return abort
 
