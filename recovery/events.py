@@ -65,8 +65,10 @@ class RecoveryEvent:
     samples trained) and ``pls_job`` (the job's portion of lost samples after this event)."""
 
     def __post_init__(self) -> None:
-        # Plain strings, not `Strategy`/`Tier` members: an event is data (JSON, and
-        # `torch.load(weights_only=True)` of a saved result must not need our classes).
+        # Plain strings, not `Strategy`/`Tier`/`FailureCause` members: an event is data
+        # (JSON, and `torch.load(weights_only=True)` of a saved result must not need our
+        # classes).
+        self.cause = f"{self.cause}"
         self.strategy = f"{self.strategy}"
         self.tier = None if self.tier is None else f"{self.tier}"
 

@@ -23,7 +23,7 @@ else:  # pragma: no cover - Python 3.10
             return str(self.value)
 
 
-__all__ = ["APPROXIMATE", "Mode", "StrEnum", "Strategy", "Tier"]
+__all__ = ["APPROXIMATE", "FailureCause", "Mode", "StrEnum", "Strategy", "Tier"]
 
 
 class Strategy(StrEnum):
@@ -82,3 +82,25 @@ class Mode(StrEnum):
     when it is exhausted."""
     RESTART = "restart"
     """The baseline: every failure is a `Strategy.RESTART` from the last checkpoint."""
+
+
+class FailureCause(StrEnum):
+    """Why a recovery started (`Failure.cause`, an event's ``cause``), most specific first
+    where several apply (recovery/runtime/detection.py `failure_of`)."""
+
+    NUMERICAL = "numerical fault"
+    """A non-finite loss or gradient norm: the live state itself is suspect."""
+    CORRUPTED = "corrupted"
+    """The fingerprint vote found replicas that disagree (silent data corruption)."""
+    HUNG = "hung"
+    """A worker made no progress for the hang timeout and was killed."""
+    NODE_LOST = "node lost"
+    """A whole node went, with every worker on it."""
+    KILLED = "killed"
+    """A worker died."""
+    COMMUNICATION = "communication error"
+    """A call broke on the network with every worker alive: the step is retried."""
+    GROW = "grow"
+    """Nothing failed: spares are ready for the workers a shrink left out."""
+    DRIVER_RESTARTED = "driver restarted"
+    """The driver died and a new one resumed from a durable snapshot."""

@@ -20,7 +20,7 @@ from parallelism.topology import Topology
 from recovery.events import RecoveryEvent
 from recovery.faults import FailureSchedule
 from recovery.fingerprint import digest
-from recovery.names import Strategy, Tier
+from recovery.names import FailureCause, Strategy, Tier
 from recovery.plots import plot_loss
 from recovery.policy import RecoveryPolicy
 from recovery.resources import worker_ask
@@ -368,7 +368,7 @@ class Trainer:
         event = RecoveryEvent(
             step=reached,
             generation=controller.generation,
-            cause="driver restarted",
+            cause=FailureCause.DRIVER_RESTARTED,
             lost=[(w.stage, w.replica) for w in self.topology.workers()],
             strategy=Strategy.ROLLBACK,
             lost_steps=max(0, reached - step),

@@ -18,7 +18,7 @@ import torch
 from parallelism import Topology
 from recovery import RecoveryError, RecoveryPolicy
 from recovery.runtime import Phase
-from recovery.runtime import controller as controller_module
+from recovery.runtime import decisions
 from recovery.worker import StageWorker
 from tests.jobs import drive, make
 from tests.workloads import mlp_spec
@@ -49,7 +49,7 @@ def plant_resets(monkeypatch: pytest.MonkeyPatch, times: int | None) -> list[flo
 def test_a_persistent_comm_error_gives_up_naming_the_worker_and_the_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(controller_module, "COMM_BACKOFF_S", 0.05)
+    monkeypatch.setattr(decisions, "COMM_BACKOFF_S", 0.05)
     raised = plant_resets(monkeypatch, times=None)
     controller, _ = make(mlp_spec(), TOP, policy=RecoveryPolicy(comm_retries=2))
     drive(controller)
@@ -83,7 +83,7 @@ def test_a_passing_comm_error_is_retried_and_the_job_ends_exact(
 
 def test_the_count_starts_again_after_a_commit(monkeypatch: pytest.MonkeyPatch) -> None:
     """Resets at two different steps, each within the budget, are not added up."""
-    monkeypatch.setattr(controller_module, "COMM_BACKOFF_S", 0.01)
+    monkeypatch.setattr(decisions, "COMM_BACKOFF_S", 0.01)
     real = StageWorker.run_step
     raised: list[int] = []
 

@@ -191,12 +191,12 @@ def test_a_survivor_that_does_not_answer_the_recovery_is_killed_and_replaced(
     stuck = top.rank(1, 1)
     real = StageWorker.prepare_recovery
 
-    def prepare(self: StageWorker, *args):  # type: ignore[no-untyped-def]
+    def prepare_recovery(self: StageWorker, *args):  # type: ignore[no-untyped-def]
         if self.rank == stuck:
             time.sleep(3.0)
         return real(self, *args)
 
-    monkeypatch.setattr(StageWorker, "prepare_recovery", prepare)
+    monkeypatch.setattr(StageWorker, "prepare_recovery", prepare_recovery)
     policy = RecoveryPolicy(timeouts=Timeouts(control=0.5))  # type: ignore[arg-type]
     controller, group = make(mlp_spec(), top, Kill(step=2, stage=1, replica=0), policy=policy)
     worker = group._workers[stuck]
@@ -250,11 +250,12 @@ def _spy(group, log: list[str]) -> None:  # type: ignore[no-untyped-def]
     """Log rank 0's step and commit calls, and every wait for a set of them."""
     submit, gather = group.submit, group.gather
 
-    def spy_submit(rank: int, method: str, *args: object) -> object:
-        if rank == 0 and method in ("run_step", "commit"):
-            log.append(f"{method} {args[0]}")
-        elif rank == 0 and method == "run_steps":
-            log.append(f"{method} {args[0]}+{args[1]}")
+    def spy_submit(rank: int, method, *args: object) -> object:  # type: ignore[no-untyped-def]
+        name = method.__name__
+        if rank == 0 and name in ("run_step", "commit"):
+            log.append(f"{name} {args[0]}")
+        elif rank == 0 and name == "run_steps":
+            log.append(f"{name} {args[0]}+{args[1]}")
         return submit(rank, method, *args)
 
     def spy_gather(calls, timeout):  # type: ignore[no-untyped-def]
@@ -349,8 +350,8 @@ def test_a_survivor_whose_vote_broke_after_everyone_elses_completed_is_rolled_fo
     log: list[tuple[int, str, object]] = []
     submit = group.submit
 
-    def spy(rank: int, method: str, *args: object) -> object:
-        log.append((rank, method, args[0] if args else None))
+    def spy(rank: int, method, *args: object) -> object:  # type: ignore[no-untyped-def]
+        log.append((rank, method.__name__, args[0] if args else None))
         return submit(rank, method, *args)
 
     group.submit = spy  # type: ignore[method-assign]

@@ -331,7 +331,7 @@ def test_a_death_during_a_shrink_or_a_grow_is_recovered(oracles, victim: int, me
 
     def once(rank: int, called: str) -> float | None:
         # only once the job is shrinking, shrunk or growing: (1,0) lost or missing
-        elastic = controller._failure is not None or controller.members.missing
+        elastic = controller.failure is not None or controller.members.missing
         if rank == victim and called == method and elastic and not fired:
             fired.append((rank, called, controller.phase.value))
             return 0.0

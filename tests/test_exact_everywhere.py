@@ -244,7 +244,7 @@ def _run(case: Case) -> tuple[Controller, list[tuple[int, str]]]:
     lock = threading.Lock()
 
     def chaos(rank: int, method: str) -> float | None:
-        failure = controller._failure
+        failure = controller.failure
         if failure is None:  # only inside a recovery: the one its first kill started
             return None
         with lock:

@@ -223,7 +223,7 @@ def test_workers_started_ahead_get_the_tunable_and_a_recoverys_replacement_does_
     node = group.nodes()[0]
     try:
         group.start({0: node, 1: node}, timeout=60, parked=True)  # the job's start
-        group.add_spares([node], lambda: ("echo", (0,)))
+        group.add_spares([node], lambda: (EchoWorker.echo, (0,)))
         group.await_spares(60)
         group.start({1: node}, timeout=60)  # a replacement in a recovery, no spare taken
         tunables = {r: _environ(group.info(r).pid).get("GLIBC_TUNABLES", "") for r in (0, 1)}

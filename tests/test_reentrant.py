@@ -209,7 +209,7 @@ def test_deaths_spread_over_the_job_never_make_it_give_up(oracle) -> None:  # ty
     lock = threading.Lock()
 
     def rule(rank: int, method: str) -> float | None:  # one death per attempt
-        failure = controller._failure
+        failure = controller.failure
         attempt = len(failure.interruptions) if failure is not None else -1
         with lock:
             if method != "join" or len(kills) == 14 or (kills and kills[-1][1] == attempt):

@@ -83,10 +83,10 @@ def test_a_durable_folder_a_worker_cannot_see_is_refused_at_start(
 ) -> None:
     real = StageWorker.sees_file
 
-    def blind(self: StageWorker, path: str, token: str) -> bool:
+    def sees_file(self: StageWorker, path: str, token: str) -> bool:  # blind on rank 1
         return False if self.rank == 1 else real(self, path, token)
 
-    monkeypatch.setattr(StageWorker, "sees_file", blind)
+    monkeypatch.setattr(StageWorker, "sees_file", sees_file)
     with pytest.raises(ValueError, match=r"worker \(1,0\) on node node-\d cannot see"):
         make(mlp_spec(), TOP, policy=POLICY, snapshot_dir=str(tmp_path))
     assert not list(tmp_path.glob(".shared-*"))  # the probe is cleaned up

@@ -50,7 +50,8 @@ def test_same_seed_is_bit_identical_and_regenerations_change_nothing() -> None:
         assert controller.phase is Phase.RUNNING and controller.generation == 0
         # One step a call and nothing sent ahead, so that no call is in flight at a
         # re-forming (test_engine.test_reformed_generation_continues_identically).
-        controller._may_pipeline = lambda nxt: False  # type: ignore[method-assign]
+        assert controller.runner is not None
+        controller.runner.may_pipeline = lambda nxt: False  # type: ignore[method-assign]
         while controller.advance() is Phase.RUNNING:
             if controller.step % 2 == 0:
                 controller.members.form_generation()

@@ -17,6 +17,7 @@ import ray
 
 from recovery.runtime.ray_group import RayWorkerGroup
 from tests.test_worker_group import _ray_group
+from tests.workloads import EchoWorker
 
 pytestmark = [pytest.mark.ray]
 
@@ -44,7 +45,7 @@ def test_a_spare_that_died_while_waiting_is_replaced_by_a_fresh_worker(
     group: RayWorkerGroup,
 ) -> None:
     node = group.nodes()[0]
-    group.add_spares([node], lambda: ("echo", ("warm",)))
+    group.add_spares([node], lambda: (EchoWorker.echo, ("warm",)))
     assert group.await_spares(60) == 1
     spare = group._spares[0][0]
     pid = ray.get(spare.info.remote(), timeout=30).pid
@@ -54,7 +55,9 @@ def test_a_spare_that_died_while_waiting_is_replaced_by_a_fresh_worker(
     assert not started.lost and not started.unplaced
     assert warm == set()  # the dead spare was not counted as a warm start
     assert group.info(0).pid != pid
-    assert group.call("echo", args=lambda r: ("again",), timeout=30).results == {0: "again"}
+    assert group.call(EchoWorker.echo, args=lambda r: ("again",), timeout=30).results == {
+        0: "again"
+    }
 
 
 def _pid_running(title: str, within_s: float = 30.0) -> int:
@@ -75,10 +78,12 @@ def _pid_running(title: str, within_s: float = 30.0) -> int:
 
 def test_a_spare_that_dies_in_its_warm_up_is_dropped_and_not_used(group: RayWorkerGroup) -> None:
     node = group.nodes()[0]
-    group.add_spares([node], lambda: ("nap", (3600.0,)))  # warming up for an hour
+    group.add_spares([node], lambda: (EchoWorker.nap, (3600.0,)))  # warming up for an hour
     os.kill(_pid_running("RemoteEchoWorker.nap"), signal.SIGKILL)
     assert group.await_spares(60) == 0
     assert group.spare_count() == 0
     started, warm = group.start({0: node}, timeout=60, spares=True)
     assert not started.lost and warm == set()
-    assert group.call("echo", args=lambda r: ("again",), timeout=30).results == {0: "again"}
+    assert group.call(EchoWorker.echo, args=lambda r: ("again",), timeout=30).results == {
+        0: "again"
+    }

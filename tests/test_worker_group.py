@@ -42,7 +42,7 @@ def test_start_call_and_results(group: WorkerGroup) -> None:
     assert group.ranks() == [0, 1, 2]
     for rank, node in placement.items():
         assert group.info(rank).node_id == node and group.info(rank).host
-    got = group.call("echo", args=lambda r: (r * 10,), timeout=30)
+    got = group.call(EchoWorker.echo, args=lambda r: (r * 10,), timeout=30)
     assert got.results == {0: 0, 1: 10, 2: 20} and not got.lost
 
 
@@ -52,25 +52,27 @@ def test_a_killed_worker_is_lost_and_user_errors_are_raised_as_themselves(
     group.start(_place(group, 2), timeout=60)
     group.kill([1])
     assert group.ranks() == [0]
-    call = group.submit(1, "echo", 1)
+    call = group.submit(1, EchoWorker.echo, 1)
     group.wait([call], 5)
     with pytest.raises(WorkerLost):
         group.result(call)
-    boom = group.submit(0, "boom")
+    boom = group.submit(0, EchoWorker.boom)
     group.wait([boom], 30)
     with pytest.raises(KeyError, match="user code failed"):
         group.result(boom)
-    assert group.call("echo", args=lambda r: ("alive",), timeout=30).results == {0: "alive"}
+    assert group.call(EchoWorker.echo, args=lambda r: ("alive",), timeout=30).results == {
+        0: "alive"
+    }
 
 
 def test_wait_first_timeouts_and_the_control_thread(group: WorkerGroup) -> None:
     group.start(_place(group, 2), timeout=60)
-    group.call("echo", args=lambda r: (0,), timeout=30)  # both warm
-    slow, fast = group.submit(0, "nap", 3.0), group.submit(1, "nap", 0.0)
+    group.call(EchoWorker.echo, args=lambda r: (0,), timeout=30)  # both warm
+    slow, fast = group.submit(0, EchoWorker.nap, 3.0), group.submit(1, EchoWorker.nap, 0.0)
     finished, pending = group.wait([slow, fast], 10, first=True)
     assert finished == [fast] and pending == [slow]
     started = time.monotonic()
-    probe = group.submit(0, "probe")  # answered while the main thread naps
+    probe = group.submit(0, EchoWorker.probe)  # answered while the main thread naps
     group.wait([probe], 2)
     assert group.result(probe)["step"] == 0 and time.monotonic() - started < 2
     with pytest.raises(WorkerLost, match="in time"):
@@ -80,7 +82,7 @@ def test_wait_first_timeouts_and_the_control_thread(group: WorkerGroup) -> None:
 
 def test_spares_are_warmed_and_taken_on_their_node(group: WorkerGroup) -> None:
     nodes = group.nodes()
-    group.add_spares([nodes[0]], lambda: ("echo", ("warm",)))
+    group.add_spares([nodes[0]], lambda: (EchoWorker.echo, ("warm",)))
     assert group.spare_count() == 1
     assert group.await_spares(60) == 1
     started, warm = group.start({0: nodes[0], 1: nodes[-1]}, timeout=60, spares=True)
@@ -93,6 +95,8 @@ def test_restarting_a_rank_replaces_its_worker(group: WorkerGroup) -> None:
     first = group.info(0).pid
     group.start(_place(group, 1), timeout=60)
     assert group.ranks() == [0]
-    assert group.call("echo", args=lambda r: ("again",), timeout=30).results == {0: "again"}
+    assert group.call(EchoWorker.echo, args=lambda r: ("again",), timeout=30).results == {
+        0: "again"
+    }
     if isinstance(group, ThreadWorkerGroup):
         assert group.started == 2 and first == group.info(0).pid  # one process, two workers

@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from recovery.names import FailureCause
 from recovery.runtime.group import Call, CallResults, WorkerGroup, WorkerLost, seconds
 from recovery.runtime.records import Failure
-from recovery.worker import StepReport
+from recovery.worker import StageWorker, StepReport
 
 __all__ = [
     "PROBE_TIMEOUT",
@@ -183,7 +184,7 @@ def abort_pending(
 
     def abort(pending: list[Call]) -> None:
         for rank in dict.fromkeys(call.rank for call in pending):
-            group.submit(rank, "abort", generation)
+            group.submit(rank, StageWorker.abort, generation)
 
     return abort
 
@@ -209,7 +210,7 @@ def _find_hung(group: WorkerGroup, silent: list[int], hang_s: float) -> set[int]
     """Among silent workers, those idle for ``hang_s`` and not blocked on a peer; all of the
     idle ones if each waits on another (none stands out); none while any progresses. A
     worker whose control thread does not answer at all is hung."""
-    probes = {rank: group.submit(rank, "probe") for rank in silent}
+    probes = {rank: group.submit(rank, StageWorker.probe) for rank in silent}
     answers = group.gather(probes, PROBE_TIMEOUT)
     idle = {rank for rank, a in answers.results.items() if a.get("idle_s", 0.0) >= hang_s}
     culprits = {rank for rank in idle if answers.results[rank].get("waiting_on") is None}
@@ -241,15 +242,15 @@ def failure_of(
     messages = {rank: f"{type(e).__name__}: {e.reason}" for rank, e in outcome.lost.items()}
     messages.update(numerical or outcome.failed)
     if numerical:
-        cause = "numerical fault"
+        cause = FailureCause.NUMERICAL
     elif outcome.hung:
-        cause = "hung"
+        cause = FailureCause.HUNG
     elif node_lost:
-        cause = "node lost"
+        cause = FailureCause.NODE_LOST
     elif outcome.lost:
-        cause = "killed"
+        cause = FailureCause.KILLED
     else:
-        cause = "communication error"
+        cause = FailureCause.COMMUNICATION
     return Failure(
         step=step,
         lost=set(outcome.lost),

@@ -30,6 +30,7 @@ from recovery.runtime.group import Call, WorkerGroup, require
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.snapshots import DurableStore
 from recovery.spec import TrainSpec
+from recovery.worker import StageWorker
 
 __all__ = ["Restore", "execute", "execute_or_fall_back"]
 
@@ -69,9 +70,9 @@ def _replica_copy(ctx: Restore, actions: Sequence[RecoveryAction], step: int) ->
         by_source.setdefault(action.sources[0], []).append(action.rank)
     calls: Transfers = {}
     for src, dsts in by_source.items():
-        calls[(src, "send")] = ctx.group.submit(src, "send_state", dsts)
+        calls[(src, "send")] = ctx.group.submit(src, StageWorker.send_state, dsts)
         for dst in dsts:
-            calls[(dst, "copy")] = ctx.group.submit(dst, "recv_state", src)
+            calls[(dst, "copy")] = ctx.group.submit(dst, StageWorker.recv_state, src)
     return calls
 
 
@@ -85,8 +86,10 @@ def _from_mirror(ctx: Restore, actions: Sequence[RecoveryAction], step: int) -> 
     calls: Transfers = {}
     for action in actions:
         (holder,) = action.sources
-        calls[(holder, f"send{action.rank}")] = ctx.group.submit(holder, "send_mirror", action.rank)
-        calls[(action.rank, "copy")] = ctx.group.submit(action.rank, "recv_shard", holder)
+        calls[(holder, f"send{action.rank}")] = ctx.group.submit(
+            holder, StageWorker.send_mirror, action.rank
+        )
+        calls[(action.rank, "copy")] = ctx.group.submit(action.rank, StageWorker.recv_shard, holder)
     return calls
 
 
@@ -104,10 +107,16 @@ def _rebuild(ctx: Restore, actions: Sequence[RecoveryAction], step: int) -> Tran
             roles = {"next" if stage == 0 else "prev": action.sources[0]}
         for role, src in roles.items():
             calls[(src, f"named{action.rank}{role}")] = ctx.group.submit(
-                src, "send_named_state", action.rank, moments
+                src, StageWorker.send_named_state, action.rank, moments
             )
         calls[(action.rank, "rebuild")] = ctx.group.submit(
-            action.rank, "rebuild", action.strategy, roles, norms.neighbours(stage), config, step
+            action.rank,
+            StageWorker.rebuild,
+            action.strategy,
+            roles,
+            norms.neighbours(stage),
+            config,
+            step,
         )
     return calls
 
@@ -169,22 +178,26 @@ def _rollback(ctx: Restore, plan: RecoveryPlan) -> int:
     moved = 0
     if plan.tier == Tier.DURABLE:
         loaded = ctx.group.call(
-            "durable_load", args=lambda rank: (ctx.snapshot_dir, step), timeout=ctx.timeout
+            StageWorker.durable_load,
+            args=lambda rank: (ctx.snapshot_dir, step),
+            timeout=ctx.timeout,
         )
         require(loaded, f"load the durable snapshot of step {step}")
     else:
         calls: Transfers = {}
         for action in plan.actions:
             if not action.sources:
-                calls[(action.rank, "own")] = ctx.group.submit(action.rank, "restore_own", step)
+                calls[(action.rank, "own")] = ctx.group.submit(
+                    action.rank, StageWorker.restore_own, step
+                )
                 continue
             (holder,) = action.sources
             copy = action.rank if action.copy_of is None else action.copy_of
             calls[(holder, f"send{action.rank}")] = ctx.group.submit(
-                holder, "send_snapshot", step, copy, action.rank
+                holder, StageWorker.send_snapshot, step, copy, action.rank
             )
             calls[(action.rank, "recv")] = ctx.group.submit(
-                action.rank, "recv_snapshot", step, holder
+                action.rank, StageWorker.recv_snapshot, step, holder
             )
         results = _gather(ctx, calls, f"roll back to step {step}")
         copies = {a.rank: a.copy_of for a in plan.actions if a.copy_of is not None}
@@ -200,7 +213,7 @@ def _restart(ctx: Restore, plan: RecoveryPlan) -> int:
     """The baseline: every (new, cold) worker loads the last checkpoint, if there is one."""
     if plan.resume_step > 0:
         loaded = ctx.group.call(
-            "load_checkpoint",
+            StageWorker.load_checkpoint,
             args=lambda rank: (ctx.checkpoint_dir, plan.resume_step),
             timeout=ctx.timeout,
         )

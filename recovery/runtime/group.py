@@ -26,7 +26,7 @@ import abc
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Concatenate, ParamSpec
 
 from recovery.errors import RecoveryInterrupted
 from recovery.worker import WorkerInfo, is_comm_error
@@ -36,12 +36,22 @@ __all__ = [
     "EXPECTED_EXITS",
     "Call",
     "CallResults",
+    "Warmup",
     "WorkerGroup",
     "WorkerLost",
+    "WorkerMethod",
     "expect_exit",
     "require",
     "seconds",
 ]
+
+P = ParamSpec("P")
+WorkerMethod = Callable[Concatenate[Any, P], Any]
+"""A method of the group's worker class, as the class spells it (``StageWorker.commit``):
+calls name what they run by the method itself, never by a string, so a renamed or
+misspelt method fails at import and in the type check, not on a worker."""
+Warmup = Callable[[], tuple[Callable[..., Any], tuple[Any, ...]]]
+"""``warm() -> (method, args)``: a spare's warm-up call (`WorkerGroup.add_spares`)."""
 
 CONTROL_METHODS = frozenset({"probe", "abort"})
 """Methods answered on a worker's control thread (see [Note: calls and failures])."""
@@ -187,9 +197,7 @@ class WorkerGroup(abc.ABC):
     # -- spares ------------------------------------------------------------------------
 
     @abc.abstractmethod
-    def add_spares(
-        self, nodes: Sequence[str], warm: Callable[[], tuple[str, tuple[Any, ...]]]
-    ) -> None:
+    def add_spares(self, nodes: Sequence[str], warm: Warmup) -> None:
         """Start one hot spare on each of ``nodes`` and warm it up, without waiting.
 
         ``warm() -> (method, args)`` is the warm-up call to make on each. A node ``""``:
@@ -220,9 +228,13 @@ class WorkerGroup(abc.ABC):
 
     # -- calls -------------------------------------------------------------------------
 
+    def submit(self, rank: int, method: WorkerMethod[P], *args: P.args, **kwargs: P.kwargs) -> Call:
+        """Call ``method(*args, **kwargs)`` on ``rank``'s worker; returns at once."""
+        return self._send(rank, method.__name__, args, kwargs)
+
     @abc.abstractmethod
-    def submit(self, rank: int, method: str, *args: Any) -> Call:
-        """Call ``method(*args)`` on ``rank``'s worker; returns at once."""
+    def _send(self, rank: int, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
+        """`submit` as the implementation carries it out: the method by its name."""
 
     @abc.abstractmethod
     def wait(
@@ -275,7 +287,7 @@ class WorkerGroup(abc.ABC):
 
     def call(
         self,
-        method: str,
+        method: WorkerMethod[...],
         ranks: Iterable[int] | None = None,
         args: Callable[[int], Sequence[Any]] | None = None,
         *,
@@ -289,5 +301,7 @@ class WorkerGroup(abc.ABC):
             Exception: the original error of a worker whose own code raised.
         """
         targets = self.ranks() if ranks is None else list(ranks)
-        calls = {r: self.submit(r, method, *(args(r) if args else ())) for r in targets}
+        calls = {
+            r: self._send(r, method.__name__, tuple(args(r)) if args else (), {}) for r in targets
+        }
         return self.gather(calls, timeout)

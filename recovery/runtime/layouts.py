@@ -131,7 +131,7 @@ class StateLayout:
             RecoveryInterrupted: if a worker is lost while its state is read.
         """
         self.before_states(group, timeout)
-        got = require(group.call("state", timeout=timeout), "collect states")
+        got = require(group.call(StageWorker.state, timeout=timeout), "collect states")
         return {
             (self.topology.worker(rank).stage, self.topology.worker(rank).replica): state
             for rank, state in got.results.items()
@@ -171,7 +171,10 @@ class StateLayout:
                 flags[rank] = (False, True)
             ranks = list(flags)
         sent = group.call(
-            "seed_mirror", ranks, (lambda r: flags[r]) if targeted else None, timeout=timeout
+            StageWorker.seed_mirror,
+            ranks,
+            (lambda r: flags[r]) if targeted else None,
+            timeout=timeout,
         )
         require(sent, "seed the shard mirrors")
         return sum(int(v) for v in sent.results.values())
@@ -257,7 +260,7 @@ class Zero1Shards(StateLayout):
 
     def before_states(self, group: WorkerGroup, timeout: timedelta) -> None:
         # The parameters a replica does not own are a step behind until the next sync.
-        synced = group.call("sync_params", timeout=timeout)
+        synced = group.call(StageWorker.sync_params, timeout=timeout)
         require(synced, "sync parameters")
 
 
@@ -320,7 +323,8 @@ class ShardedTables(StateLayout):
                 r: ring[r] for r in lost if r not in answers and alive.get(ring.get(r, -1)) == step
             }
             got = group.gather(
-                {r: group.submit(h, "assess_mirror", r) for r, h in holders.items()}, timeout
+                {r: group.submit(h, TableWorker.assess_mirror, r) for r, h in holders.items()},
+                timeout,
             )
             answers.update(got.results)
             if not got.lost:
@@ -371,7 +375,7 @@ class ShardedTables(StateLayout):
         }
 
     def costs(self, group: WorkerGroup, timeout: timedelta) -> dict[str, float]:
-        got = group.call("mirror_costs", timeout=timeout)
+        got = group.call(TableWorker.mirror_costs, timeout=timeout)
         require(got, "collect mirror costs")
         costs = list(got.results.values())
         if not costs:

@@ -27,7 +27,7 @@ from recovery.runtime.layouts import StateLayout
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.snapshots import buddies
 from recovery.spec import TrainSpec
-from recovery.worker import StepReport
+from recovery.worker import StageWorker, StepReport
 
 __all__ = ["Membership"]
 
@@ -107,7 +107,7 @@ class Membership:
         survivors = [r for r in self.group.ranks() if r not in lost]
         short = {self.topology.worker(r).stage for r in lost}  # their replicas may be asked
         prepared = self.group.call(
-            "prepare_recovery",
+            StageWorker.prepare_recovery,
             [*survivors, *sorted(keep)],
             lambda r: (r not in keep and self.topology.worker(r).stage in short,),
             timeout=self.policy.timeouts.control,
@@ -128,7 +128,7 @@ class Membership:
         if not ranks:
             return set()
         built = self.group.call(
-            "setup",
+            StageWorker.setup,
             sorted(ranks),
             lambda rank: self.layout.setup_args(rank, self.backend, self.device),
             timeout=self.policy.timeouts.start,
@@ -231,7 +231,7 @@ class Membership:
             self.assignment[rank] = info.node_id or placement[rank]
             self.hosts[rank] = info.host
         built = self.group.call(
-            "setup",
+            StageWorker.setup,
             placement,
             lambda rank: self.layout.setup_args(rank, self.backend, self.device),
             timeout=self.policy.timeouts.start,
@@ -246,7 +246,7 @@ class Membership:
         ``anywhere``: wherever the scheduler finds room, now or later (a shrunk job's
         replacements: a node that joins later takes them)."""
         if anywhere:
-            warm = ("warm", (self.spec, self.topology, self.backend, self.device))
+            warm = (StageWorker.warm, (self.spec, self.topology, self.backend, self.device))
             self.group.add_spares([""] * max(0, count), lambda: warm)
             return
         nodes = self.live_nodes()
@@ -257,7 +257,7 @@ class Membership:
             node = min(nodes, key=lambda n: (load[n], nodes.index(n)))
             picks.append(node)
             load[node] += 1
-        warm = ("warm", (self.spec, self.topology, self.backend, self.device))
+        warm = (StageWorker.warm, (self.spec, self.topology, self.backend, self.device))
         self.group.add_spares(picks, lambda: warm)
 
     def form_generation(self) -> float:
@@ -294,7 +294,7 @@ class Membership:
         calls = {
             rank: self.group.submit(
                 rank,
-                "join",
+                StageWorker.join,
                 self.generation,
                 rendezvous,
                 self.hosts.get(rank, "127.0.0.1"),

@@ -22,11 +22,11 @@ from recovery.identity import job_identity
 from recovery.names import Mode
 from recovery.policy import RecoveryPolicy
 from recovery.runtime.executor import Restore
-from recovery.runtime.group import WorkerGroup, require
+from recovery.runtime.group import WorkerGroup, WorkerMethod, require
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.snapshots import DurableStore
 from recovery.spec import TrainSpec
-from recovery.worker import StepReport
+from recovery.worker import StageWorker, StepReport
 
 __all__ = ["Persistence"]
 
@@ -103,7 +103,9 @@ class Persistence:
     def _timed(self, name: str, start: float) -> None:
         self.timings.setdefault(name, []).append(time.perf_counter() - start)
 
-    def _all(self, method: str, what: str, *args: Any, timeout: Any) -> dict[int, Any]:
+    def _all(
+        self, method: WorkerMethod[...], what: str, *args: Any, timeout: Any
+    ) -> dict[int, Any]:
         got = self.group.call(method, args=lambda rank: args, timeout=timeout)
         require(got, what)
         return got.results
@@ -138,7 +140,7 @@ class Persistence:
             self.durable.check_meta(step, self.meta())
             try:
                 self._all(
-                    "durable_load",
+                    StageWorker.durable_load,
                     f"resume from the durable snapshot of step {step}",
                     self.snapshot_dir,
                     step,
@@ -175,7 +177,7 @@ class Persistence:
         probe.write_text(token)
         try:
             seen = self.group.call(
-                "sees_file",
+                StageWorker.sees_file,
                 args=lambda rank: (str(probe), token),
                 timeout=self.policy.timeouts.control,
             )
@@ -226,7 +228,7 @@ class Persistence:
         so that a re-run with more steps resumes from the end of this one."""
         if self.durable is None:
             return
-        got = self.group.call("flush_snapshots", timeout=self.policy.timeouts.save)
+        got = self.group.call(StageWorker.flush_snapshots, timeout=self.policy.timeouts.save)
         self.note(got.results)
 
     def initial_snapshot(self, step: int) -> None:
@@ -235,7 +237,13 @@ class Persistence:
         back to it (see [Note: fingerprint vote] in recovery/vote.py)."""
         if self.policy.snapshots.peer_every and self.topology.world_size > 1:
             hang = self.policy.timeouts.hang
-            self._all("take_snapshot", "take the initial peer snapshots", step, True, timeout=hang)
+            self._all(
+                StageWorker.take_snapshot,
+                "take the initial peer snapshots",
+                step,
+                True,
+                timeout=hang,
+            )
 
     # -- after each commit ---------------------------------------------------------------
 
@@ -268,7 +276,7 @@ class Persistence:
         if self._checkpoint_due(step):
             start = time.perf_counter()
             self._all(
-                "save_checkpoint",
+                StageWorker.save_checkpoint,
                 f"checkpoint step {step}",
                 self.checkpoint_dir,
                 step,
@@ -279,12 +287,16 @@ class Persistence:
         if self._peer_due(step):
             start = time.perf_counter()
             digests = bool(self.policy.fingerprint_every)  # see [Note: checked transfers]
-            self._all("take_snapshot", "take peer snapshots", step, digests, timeout=hang)
+            self._all(StageWorker.take_snapshot, "take peer snapshots", step, digests, timeout=hang)
             self._timed("snapshot_write", start)
         if self._durable_due(step):
             start = time.perf_counter()
             self._all(
-                "durable_write", "start durable snapshots", self.snapshot_dir, step, timeout=hang
+                StageWorker.durable_write,
+                "start durable snapshots",
+                self.snapshot_dir,
+                step,
+                timeout=hang,
             )
             self._timed("durable_write", start)
             self.ledger.durable_writes.setdefault(step, set())

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -41,6 +41,7 @@ from recovery.resources import actor_options, describe, fits, worker_ask
 from recovery.runtime.group import (
     Call,
     CallResults,
+    Warmup,
     WorkerGroup,
     WorkerLost,
     expect_exit,
@@ -329,13 +330,11 @@ class RayWorkerGroup(WorkerGroup):
 
     # -- spares ------------------------------------------------------------------------
 
-    def add_spares(
-        self, nodes: Sequence[str], warm: Callable[[], tuple[str, tuple[Any, ...]]]
-    ) -> None:
+    def add_spares(self, nodes: Sequence[str], warm: Warmup) -> None:
         for node in nodes:
             actor = POOL.take(node, self._pool_key) or self._new_actor(node, ahead=True)
             method, args = warm()
-            self._warming[id(actor)] = getattr(actor, method).remote(*args)
+            self._warming[id(actor)] = getattr(actor, method.__name__).remote(*args)
             self._spares.append((actor, node))
 
     def await_spares(
@@ -406,11 +405,11 @@ class RayWorkerGroup(WorkerGroup):
 
     # -- calls -------------------------------------------------------------------------
 
-    def submit(self, rank: int, method: str, *args: Any) -> Call:
+    def _send(self, rank: int, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
         actor = self._actors.get(rank)
         if actor is None:
-            return Call(rank, method, WorkerLost(rank, "no worker"))
-        return Call(rank, method, getattr(actor, method).remote(*args))
+            return Call(rank, name, WorkerLost(rank, "no worker"))
+        return Call(rank, name, getattr(actor, name).remote(*args, **kwargs))
 
     def wait(
         self, calls: Sequence[Call], timeout: timedelta | float, *, first: bool = False

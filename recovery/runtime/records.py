@@ -13,6 +13,7 @@ from typing import Any
 from parallelism.topology import Topology
 from recovery.errors import RecoveryInterrupted
 from recovery.events import RecoveryEvent
+from recovery.names import FailureCause
 from recovery.planner import RecoveryPlan
 from recovery.vote import Verdict
 from recovery.worker import StepReport
@@ -88,7 +89,7 @@ class Failure:
 
     step: int
     lost: set[int]
-    cause: str
+    cause: FailureCause
     detected_at: float
     struck_at: float
     errors: dict[int, str]

@@ -38,6 +38,7 @@ from recovery.runtime.group import (
     CONTROL_METHODS,
     Call,
     CallResults,
+    Warmup,
     WorkerGroup,
     WorkerLost,
     seconds,
@@ -139,7 +140,7 @@ class ThreadWorkerGroup(WorkerGroup):
         self._warming: dict[int, Future[Any]] = {}
         self.slots = slots
         """Workers and spares a node holds (None: any number)."""
-        self._waiting: list[Callable[[], tuple[str, tuple[Any, ...]]]] = []
+        self._waiting: list[Warmup] = []
         """Spares asked for anywhere that found no room yet (their warm-up calls)."""
         self.started = 0
         """Workers created so far (spares included): what a test counts to see reuse."""
@@ -269,9 +270,7 @@ class ThreadWorkerGroup(WorkerGroup):
 
     # -- spares ------------------------------------------------------------------------
 
-    def add_spares(
-        self, nodes: Sequence[str], warm: Callable[[], tuple[str, tuple[Any, ...]]]
-    ) -> None:
+    def add_spares(self, nodes: Sequence[str], warm: Warmup) -> None:
         for node in nodes:
             if node:
                 self._start_spare(node, warm)
@@ -279,7 +278,7 @@ class ThreadWorkerGroup(WorkerGroup):
                 self._waiting.append(warm)
         self._place_waiting()
 
-    def _start_spare(self, node: str, warm: Callable[[], tuple[str, tuple[Any, ...]]]) -> None:
+    def _start_spare(self, node: str, warm: Warmup) -> None:
         spare = self._new(node)
         method, args = warm()
         gate = self.spare_gate
@@ -287,7 +286,7 @@ class ThreadWorkerGroup(WorkerGroup):
         def warm_up() -> Any:
             if gate is not None:
                 gate.wait()
-            return self._run(spare, method, args)
+            return self._run(spare, method.__name__, args, {})
 
         self._warming[id(spare)] = spare.main.submit(warm_up)
         self._spares.append(spare)
@@ -328,7 +327,9 @@ class ThreadWorkerGroup(WorkerGroup):
 
     # -- calls -------------------------------------------------------------------------
 
-    def _run(self, worker: _Worker, method: str, args: tuple[Any, ...]) -> Any:
+    def _run(
+        self, worker: _Worker, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         if worker.dead.is_set():
             raise _ThreadKilled
         delay = self.chaos(self._rank_of(worker), method) if self.chaos is not None else None
@@ -337,9 +338,9 @@ class ThreadWorkerGroup(WorkerGroup):
         try:
             if method in _SEEDING:
                 with GENERATORS_LOCK:
-                    out = getattr(worker.worker, method)(*args)
+                    out = getattr(worker.worker, method)(*args, **kwargs)
             else:
-                out = getattr(worker.worker, method)(*args)
+                out = getattr(worker.worker, method)(*args, **kwargs)
         except _ThreadKilled:
             self._kill(worker)
             raise
@@ -354,12 +355,12 @@ class ThreadWorkerGroup(WorkerGroup):
     def _rank_of(self, worker: _Worker) -> int:
         return next((r for r, w in self._workers.items() if w is worker), -1)
 
-    def submit(self, rank: int, method: str, *args: Any) -> Call:
+    def _send(self, rank: int, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
         worker = self._workers.get(rank)
         if worker is None or worker.dead.is_set():
-            return Call(rank, method, WorkerLost(rank, "the worker is dead"))
-        pool = worker.control if method in CONTROL_METHODS else worker.main
-        return Call(rank, method, (worker, pool.submit(self._run, worker, method, args)))
+            return Call(rank, name, WorkerLost(rank, "the worker is dead"))
+        pool = worker.control if name in CONTROL_METHODS else worker.main
+        return Call(rank, name, (worker, pool.submit(self._run, worker, name, args, kwargs)))
 
     def wait(
         self, calls: Sequence[Call], timeout: timedelta | float, *, first: bool = False

@@ -32,7 +32,7 @@ If not, nobody applies anything, and the controller handles the reports as it ha
 two-phase step's. Steps that need the controller first keep the two phases: a
 fingerprint vote's, a shrunk job's. With the decision on the workers, the controller can
 send the next steps before a step is back, and several in one call (`run_steps`; see
-[Note: batched steps] in recovery/runtime/controller.py); a worker skips a step sent
+[Note: batched steps] in recovery/runtime/steps.py); a worker skips a step sent
 ahead of one it did not commit.
 
 The vote can complete on some workers and fail on others (a peer dies after its flag was
