@@ -17,8 +17,7 @@ import torch
 
 from parallelism import Topology
 from recovery import RecoveryError, RecoveryPolicy
-from recovery.runtime import Phase
-from recovery.runtime import decisions
+from recovery.runtime import Phase, decisions
 from recovery.worker import StageWorker
 from tests.jobs import drive, make
 from tests.workloads import mlp_spec
