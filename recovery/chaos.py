@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
-from recovery.runtime.group import expect_exit
+from recovery.groups.group import expect_exit
 from recovery.worker import WorkerInfo
 
 __all__ = [

@@ -687,8 +687,9 @@ def _dp_spec() -> TrainSpec:
 def _step_times(spec: TrainSpec, top: Topology, every: int | None, steps: int) -> dict[int, float]:
     """Seconds of each committed step of a failure-free job over worker threads (no Ray:
     the same workers, controller and Gloo groups, without Ray's start-up), by step."""
+    from recovery.groups import ThreadWorkerGroup
     from recovery.policy import RecoveryPolicy
-    from recovery.runtime import Controller, ControllerConfig, ThreadWorkerGroup
+    from recovery.runtime import Controller, ControllerConfig
     from recovery.runtime.layouts import layout_for
 
     policy = RecoveryPolicy(fingerprint_every=every, snapshot_every=None)

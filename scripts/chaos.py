@@ -357,7 +357,7 @@ def _exact(args: argparse.Namespace, result: FitResult) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     torch.set_num_threads(1)
-    from recovery.ray_env import connect, local_cluster
+    from recovery.groups.ray_env import connect, local_cluster
 
     top = Topology(args.stages, args.replicas)
     until = f"{args.kills} kills" if args.kills is not None else f"{args.seconds:g} s"
@@ -472,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class _local:
-    """A local Ray on 127.0.0.1 (`recovery.ray_env.connect`), as a context manager that yields
+    """A local Ray on 127.0.0.1 (`recovery.groups.ray_env.connect`), as a context manager that yields
     no cluster."""
 
     def __init__(self, connect: Any) -> None:
@@ -485,7 +485,7 @@ class _local:
     def __exit__(self, *exc: object) -> None:
         import ray
 
-        from recovery.pool import POOL
+        from recovery.groups.pool import POOL
 
         POOL.clear()
         ray.shutdown()

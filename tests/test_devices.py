@@ -19,7 +19,7 @@ from parallelism.devices import (
     wire_device,
 )
 from recovery import FailureSchedule, Kill, KillPoint, RecoveryPolicy, Trainer, TrainSpec
-from recovery.resources import SHARED_GPU, worker_ask
+from recovery.groups.resources import SHARED_GPU, worker_ask
 from recovery.runtime import Phase
 from tests.jobs import drive, make
 from tests.workloads import mlp_spec

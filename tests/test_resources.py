@@ -12,8 +12,8 @@ import pytest
 from parallelism import Topology
 from recovery import RecoveryPolicy, Trainer
 from recovery.errors import PlacementFailed
-from recovery.pool import POOL
-from recovery.resources import actor_options, fits, worker_ask
+from recovery.groups.pool import POOL
+from recovery.groups.resources import actor_options, fits, worker_ask
 from recovery.runtime import Controller, ControllerConfig, Phase
 from tests.jobs import ray_cluster
 from tests.workloads import mlp_spec

@@ -22,7 +22,7 @@ from torch import nn
 from parallelism.topology import Topology
 from recovery.checkpoint import checkpoint_path, step_path
 from recovery.errors import RecoveryError, SnapshotCorrupted
-from recovery.placement import place
+from recovery.groups.placement import place
 from recovery.snapshots import (
     COMPLETE,
     MANIFEST,

@@ -81,6 +81,7 @@ from recovery.errors import (
 )
 from recovery.events import RecoveryEvent
 from recovery.faults import FailureSchedule
+from recovery.groups.group import Call, WorkerGroup, WorkerLost
 from recovery.names import Strategy
 from recovery.planner import RecoveryPlan, plan
 from recovery.policy import RecoveryPolicy
@@ -93,7 +94,6 @@ from recovery.runtime.detection import (
 )
 from recovery.runtime.elastic import grow_plan, shrink_plan, shrinkable
 from recovery.runtime.executor import execute_or_fall_back
-from recovery.runtime.group import Call, WorkerGroup, WorkerLost
 from recovery.runtime.injection import Armed, InjectedFaults, fault_time
 from recovery.runtime.layouts import StateLayout, layout_for
 from recovery.runtime.ledger import RedundancyLedger
@@ -201,7 +201,7 @@ class _PendingCommit:
 
 def _ray_group(layout: StateLayout, config: ControllerConfig) -> WorkerGroup:
     """The default group: Ray actors (Ray is imported only when it is used)."""
-    from recovery.runtime.ray_group import RayWorkerGroup
+    from recovery.groups.ray_group import RayWorkerGroup
 
     return RayWorkerGroup.connect(
         layout.worker_cls,

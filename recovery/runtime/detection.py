@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from recovery.runtime.group import Call, CallResults, WorkerGroup, WorkerLost, seconds
+from recovery.groups.group import Call, CallResults, WorkerGroup, WorkerLost, seconds
 from recovery.runtime.records import Failure
 from recovery.worker import StepReport
 

@@ -22,11 +22,11 @@ from typing import Any
 
 from parallelism.topology import Topology
 from recovery.errors import RedundancyExhausted, SnapshotCorrupted, TransferCorrupted
+from recovery.groups.group import Call, WorkerGroup, require
 from recovery.names import Strategy, Tier
 from recovery.planner import RecoveryAction, RecoveryPlan
 from recovery.policy import RecoveryPolicy
 from recovery.runtime.detection import settle
-from recovery.runtime.group import Call, WorkerGroup, require
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.snapshots import DurableStore
 from recovery.spec import TrainSpec

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from parallelism.topology import Topology
 from recovery.faults import BitFlip, FailureSchedule, Fault, Kill, KillNode, WorkerFault
-from recovery.runtime.group import expect_exit
+from recovery.groups.group import expect_exit
 from recovery.runtime.membership import Membership
 
 __all__ = ["Armed", "InjectedFaults", "fault_time"]

@@ -17,10 +17,10 @@ from datetime import timedelta
 from typing import Any
 
 from parallelism.topology import Topology
+from recovery.groups.group import WorkerGroup, require
 from recovery.names import Strategy
 from recovery.planner import RecoveryPlan, Redundancy
 from recovery.policy import RecoveryPolicy
-from recovery.runtime.group import WorkerGroup, require
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.spec import TrainSpec
 from recovery.strategies.pls import PLSLedger

@@ -18,11 +18,11 @@ from typing import Any
 
 from parallelism.topology import Topology
 from recovery.errors import RecoveryError, SnapshotCorrupted
+from recovery.groups.group import WorkerGroup, require
 from recovery.identity import job_identity
 from recovery.names import Mode
 from recovery.policy import RecoveryPolicy
 from recovery.runtime.executor import Restore
-from recovery.runtime.group import WorkerGroup, require
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.snapshots import DurableStore
 from recovery.spec import TrainSpec

@@ -359,7 +359,7 @@ class StageWorker(Snapshotting, StateTransfer):
 
     def _die(self) -> None:
         """An injected kill: a real death, no cleanup, no goodbye (overridden by workers
-        that run as threads, see recovery/runtime/thread_group.py)."""
+        that run as threads, see recovery/groups/thread_group.py)."""
         os.kill(os.getpid(), signal.SIGKILL)
 
     def _hang(self) -> None:

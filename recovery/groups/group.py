@@ -58,7 +58,7 @@ EXPECTED_EXITS: dict[int, str] = {}
 
 def expect_exit(pid: int, why: str) -> None:
     """Note that worker process ``pid`` is about to die on purpose: logs then say so in one
-    line instead of reporting an unexpected death (see ``recovery/ray_env.py``)."""
+    line instead of reporting an unexpected death (see ``recovery/groups/ray_env.py``)."""
     EXPECTED_EXITS[pid] = why
 
 
