@@ -49,21 +49,16 @@ from torch.utils._pytree import tree_leaves
 
 from parallelism import Topology
 from recovery import FitResult, RecoveryPolicy, Trainer, TrainSpec
-from recovery.chaos import (
-    ChaosMonkey,
-    KillRecord,
-    differences,
-    kill_schedule,
-    relative_difference,
-)
+from recovery.faults import ChaosMonkey, KillRecord, kill_schedule
 from recovery.names import Strategy
+from recovery.reference import differences, relative_difference
 
 LOSS_RTOL = 1e-6
 """How close a shrunk job's losses are held to the uninterrupted run's (3+ replicas)."""
 STATE_RTOL = 1e-4
 """How close its final weights and optimizer moments are held, each tensor by the norm of
-its difference (`recovery.chaos.relative_difference`): AdamW's division by the square root
-of a second moment amplifies a last-bit difference in a gradient."""
+its difference (`recovery.reference.relative_difference`): AdamW's division by the square
+root of a second moment amplifies a last-bit difference in a gradient."""
 
 WIDTH = 16
 MODELS = ("mlp", "bn-cnn")

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from recovery.faults.exits import expect_exit
 from recovery.groups import ray_env
-from recovery.groups.group import expect_exit
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY_DEATH = (

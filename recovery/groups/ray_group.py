@@ -35,12 +35,12 @@ from ray.exceptions import (
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from recovery.errors import CallbackError
+from recovery.faults.exits import expect_exit
 from recovery.groups.group import (
     Call,
     CallResults,
     WorkerGroup,
     WorkerLost,
-    expect_exit,
     seconds,
 )
 from recovery.groups.pool import POOL

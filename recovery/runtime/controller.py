@@ -81,6 +81,7 @@ from recovery.errors import (
 )
 from recovery.events import RecoveryEvent
 from recovery.faults import FailureSchedule
+from recovery.faults.injection import Armed, InjectedFaults, fault_time
 from recovery.groups.group import Call, WorkerGroup, WorkerLost
 from recovery.names import Strategy
 from recovery.planner import RecoveryPlan, plan
@@ -94,7 +95,6 @@ from recovery.runtime.detection import (
 )
 from recovery.runtime.elastic import grow_plan, shrink_plan, shrinkable
 from recovery.runtime.executor import execute_or_fall_back
-from recovery.runtime.injection import Armed, InjectedFaults, fault_time
 from recovery.runtime.layouts import StateLayout, layout_for
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.runtime.membership import Membership

@@ -1,4 +1,4 @@
-"""Failure injection as library code: the same `FailureSchedule` drives tests, CLI and experiments.
+"""What strikes when: `FailureSchedule` and the faults it lists, in code or in text form.
 
 Deaths are real: a killed worker's process exits with SIGKILL at the chosen point inside
 the chosen step, exactly as a crashed GPU host would vanish; a hung worker stops making
