@@ -59,7 +59,7 @@ from typing import Any
 import torch
 import xxhash
 
-from recovery.fingerprint import raw_bytes
+from recovery.integrity.fingerprint import raw_bytes
 
 __all__ = ["DECLINED", "HOST", "TAKEN", "offer", "read_offer"]
 
@@ -140,7 +140,7 @@ def _lost(src: int, why: str) -> ConnectionError:
 
 def read_offer(made: dict[str, Any], targets: Sequence[torch.Tensor], src: int) -> list[str] | None:
     """The receiver's side: copy an offer's tensors into ``targets`` and return the digest
-    of each one's bytes as it landed (`recovery.fingerprint.digest`'s), for the caller to
+    of each one's bytes as it landed (`recovery.integrity.fingerprint.digest`'s), for the caller to
     check against the sender's. Returns None when the copy cannot be made here (another
     host, or the kernel refuses cross-memory reads): the tensors must then come over the
     process group.

@@ -20,7 +20,7 @@ Every path that moves, stores or checks a worker's state walks this one declarat
   packed into one buffer;
 - a durable snapshot, a resume and a restart checkpoint (`recovery.checkpoint`):
   `dcp_state` / `load_dcp_state`;
-- a fingerprint and the replica vote (`recovery.fingerprint`): the same tensors by the same
+- a fingerprint and the replica vote (`recovery.integrity.fingerprint`): the same tensors by the same
   names, and a digest of the progress;
 - the final states of `recovery.FitResult` (`WorkerState.to_cpu`).
 

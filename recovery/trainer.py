@@ -19,8 +19,8 @@ from parallelism.devices import check_device
 from parallelism.topology import Topology
 from recovery.events import RecoveryEvent
 from recovery.faults import FailureSchedule
-from recovery.fingerprint import digest
 from recovery.groups.resources import worker_ask
+from recovery.integrity.fingerprint import digest
 from recovery.names import Strategy, Tier
 from recovery.plots import plot_loss
 from recovery.policy import RecoveryPolicy

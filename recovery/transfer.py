@@ -11,7 +11,7 @@ generators' included: every random draw is derived from ``(seed, stage, replica,
 
 [Note: checked transfers]
 Every transfer carries the sender's fingerprint of what it sends: the description holds a
-XXH3-64 digest of each tensor's bytes (`recovery.fingerprint.digest`), taken from the
+XXH3-64 digest of each tensor's bytes (`recovery.integrity.fingerprint.digest`), taken from the
 sender's own state, and the receiver hashes what arrived before it trusts any of it. A
 mismatch raises `TransferCorrupted` naming the source and the tensors (the optimizer state
 is not loaded; the parameters, received in place, hold garbage until the retry), and the
@@ -50,7 +50,7 @@ from torch import nn
 from parallelism.comm import GarbledMessage, StageComm, empty_received
 from recovery import same_host
 from recovery.errors import TransferCorrupted
-from recovery.fingerprint import digest, flip_one
+from recovery.integrity.fingerprint import digest, flip_one
 from recovery.state import Progress, WorkerState, describe_entry, entry_from, tensor_meta
 from recovery.wire import recv_header, send_header, tensor_spec
 

@@ -7,7 +7,7 @@ import torch
 
 from parallelism import Topology
 from recovery import RecoveryPolicy, Trainer, TrainSpec
-from recovery.fingerprint import RECOMMENDED_FINGERPRINT_EVERY
+from recovery.integrity.fingerprint import RECOMMENDED_FINGERPRINT_EVERY
 from recovery.runtime.membership import Membership
 from tests.workloads import mlp_spec, tiny_llama
 

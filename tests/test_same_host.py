@@ -20,7 +20,7 @@ import torch
 from parallelism import Topology
 from recovery import same_host, transfer
 from recovery.errors import TransferCorrupted
-from recovery.fingerprint import digest
+from recovery.integrity.fingerprint import digest
 from recovery.runtime import Phase
 from recovery.state import Progress, WorkerState
 from recovery.transfer import DigestsAhead, recv_state, send_state

@@ -1,7 +1,7 @@
 """Silent data corruption: a flipped bit is found by the replicas' fingerprint vote and the
 job ends exactly where a run that was never corrupted ends.
 
-[Note: fingerprint vote] in recovery/vote.py. The pure vote and its plan are property-
+[Note: fingerprint vote] in recovery/integrity/fingerprint_vote.py. The pure vote and its plan are property-
 tested first; then whole jobs over the thread group with a `BitFlip` drawn by hypothesis
 (step, worker, point, seed -- the seed picks the tensor, element and bit -- and K): with
 three replicas the odd one out is named and rebuilt, with two the job rolls back; a flip
@@ -22,12 +22,12 @@ from hypothesis import strategies as st
 from parallelism import Topology
 from recovery import BitFlip, FailureSchedule, Kill, KillPoint, RecoveryPolicy
 from recovery.errors import RedundancyExhausted
-from recovery.fingerprint import fingerprint, flip_bit, state_tensors
+from recovery.integrity.fingerprint import fingerprint, flip_bit, state_tensors
+from recovery.integrity.fingerprint_vote import can_vote, vote
 from recovery.names import Strategy
-from recovery.planner import Redundancy
+from recovery.planner import Redundancy, corruption_plan
 from recovery.snapshots import PackedState, pack_state
 from recovery.state import Progress, WorkerState
-from recovery.vote import can_vote, corruption_plan, vote
 from tests.jobs import drive, make
 from tests.workloads import mlp_spec
 

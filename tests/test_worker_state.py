@@ -23,7 +23,7 @@ from parallelism import Topology
 from parallelism.buffers import persistent_buffers
 from recovery import same_host
 from recovery.checkpoint import load_checkpoint, save_checkpoint
-from recovery.fingerprint import fingerprint
+from recovery.integrity.fingerprint import fingerprint
 from recovery.reference import differences
 from recovery.snapshots import DurableStore, PackedState, pack_state, unpack_state
 from recovery.state import FIELDS, Progress, Rebuild, WorkerState, state_to_cpu

@@ -98,7 +98,7 @@ class BitFlip(_AtWorker):
     """Flip one mantissa bit of one element of one parameter or optimizer-state tensor of
     worker ``(stage, replica)`` at ``at`` of step ``step``: silent data corruption that
     leaves the value finite, so only a fingerprint vote can find it (see
-    `recovery.fingerprint.flip_bit`). The tensor, element and bit are drawn from ``seed``,
+    `recovery.integrity.fingerprint.flip_bit`). The tensor, element and bit are drawn from ``seed``,
     so a run is reproducible.
 
     ``in_flight``: the bit flips instead in the next state this worker sends to another

@@ -83,8 +83,9 @@ from recovery.events import RecoveryEvent
 from recovery.faults import FailureSchedule
 from recovery.faults.injection import Armed, InjectedFaults, fault_time
 from recovery.groups.group import Call, WorkerGroup, WorkerLost
+from recovery.integrity.fingerprint_vote import Verdict, can_vote, vote
 from recovery.names import Strategy
-from recovery.planner import RecoveryPlan, plan
+from recovery.planner import RecoveryPlan, corruption_plan, plan
 from recovery.policy import RecoveryPolicy
 from recovery.runtime.detection import (
     StepOutcome,
@@ -107,7 +108,6 @@ from recovery.runtime.records import (
     step_record,
 )
 from recovery.spec import TrainSpec
-from recovery.vote import Verdict, can_vote, corruption_plan, vote
 from recovery.worker import StepReport, WorkerInfo
 
 __all__ = ["MAX_INTERRUPTIONS", "Controller", "ControllerConfig", "Phase"]

@@ -232,7 +232,7 @@ class Persistence:
     def initial_snapshot(self, step: int) -> None:
         """A peer snapshot of the state training starts from (``step``), when fingerprints
         are checked: a corruption found before the first scheduled snapshot can then roll
-        back to it (see [Note: fingerprint vote] in recovery/vote.py)."""
+        back to it (see [Note: fingerprint vote] in recovery/integrity/fingerprint_vote.py)."""
         if self.policy.snapshots.peer_every and self.topology.world_size > 1:
             hang = self.policy.timeouts.hang
             self._all("take_snapshot", "take the initial peer snapshots", step, True, timeout=hang)

@@ -62,7 +62,7 @@ from parallelism.buffers import evaluating
 from parallelism.engine import Share, StepStats
 from parallelism.schedule import Schedule
 from recovery.faults import BitFlip, Corrupt, Fault, Kill, KillPoint, WorkerFault
-from recovery.fingerprint import fingerprint, flip_bit
+from recovery.integrity.fingerprint import fingerprint, flip_bit
 from recovery.spec import BatchFn, apply_lr_schedule
 from recovery.transfer import DigestsAhead
 from recovery.worker.reports import StepReport, is_comm_error
@@ -108,7 +108,7 @@ class StageWorker(Snapshotting, StateTransfer):
         ``faults`` are injected failures to fire at their points of this step or its commit.
         With ``fingerprint``, the report carries the fingerprint of the state this step
         starts from, taken after the all-reduce (see [Note: fingerprint vote] in
-        recovery/vote.py). Returns a failed report (and tears down this generation) on a
+        recovery/integrity/fingerprint_vote.py). Returns a failed report (and tears down this generation) on a
         communication error, and a ``skipped`` one for a step sent ahead whose predecessor
         this worker did not commit.
 
