@@ -18,7 +18,7 @@ Every path that moves, stores or checks a worker's state walks this one declarat
   `WorkerState.tensors` what follows it, `load` what the receiver applies;
 - a peer snapshot (`recovery.snapshots.packing`): the same description, the same tensors
   packed into one buffer;
-- a durable snapshot, a resume and a restart checkpoint (`recovery.checkpoint`):
+- a durable snapshot, a resume and a restart checkpoint (`recovery.snapshots.checkpoint`):
   `dcp_state` / `load_dcp_state`;
 - a fingerprint and the replica vote (`recovery.integrity.fingerprint`): the same tensors by the same
   names, and a digest of the progress;

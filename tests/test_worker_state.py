@@ -22,10 +22,10 @@ from torch import nn
 from parallelism import Topology
 from parallelism.buffers import persistent_buffers
 from recovery import same_host
-from recovery.checkpoint import load_checkpoint, save_checkpoint
 from recovery.integrity.fingerprint import fingerprint
 from recovery.reference import differences
 from recovery.snapshots import DurableStore, PackedState, pack_state, unpack_state
+from recovery.snapshots.checkpoint import load_checkpoint, save_checkpoint
 from recovery.state import FIELDS, Progress, Rebuild, WorkerState, state_to_cpu
 from recovery.transfer import recv_state, send_state
 from recovery.wire import decode, encode

@@ -19,12 +19,12 @@ from typing import Any
 from parallelism.topology import Topology
 from recovery.errors import RecoveryError, SnapshotCorrupted
 from recovery.groups.group import WorkerGroup, require
-from recovery.identity import job_identity
 from recovery.names import Mode
 from recovery.policy import RecoveryPolicy
 from recovery.runtime.executor import Restore
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.snapshots import DurableStore
+from recovery.snapshots.identity import job_identity
 from recovery.spec import TrainSpec
 from recovery.worker import StepReport
 
@@ -73,7 +73,7 @@ class Persistence:
 
     def meta(self) -> dict[str, Any]:
         """What identifies this job in a durable snapshot: a re-run must match it to resume
-        (the model, optimizer, data, schedule and loss as `recovery.identity` describes them)."""
+        (the model, optimizer, data, schedule and loss as `recovery.snapshots.identity` describes them)."""
         if self._identity is None:
             self._identity = job_identity(self.spec)
         return {
