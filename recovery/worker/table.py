@@ -54,8 +54,9 @@ from recovery.strategies.embedding import (
     restore_shard,
 )
 from recovery.transfer import recv_state, send_state
-from recovery.worker import StageWorker, StepReport
 from recovery.worker.callbacks import guard_callbacks
+from recovery.worker.reports import StepReport
+from recovery.worker.stage import StageWorker
 
 
 class TableModule(nn.Module):
