@@ -14,7 +14,7 @@ A worker's state is three parts, and nothing else:
 
 Every path that moves, stores or checks a worker's state walks this one declaration:
 
-- a live transfer, same-host included (`recovery.transfer`): `describe` is the header,
+- a live transfer, same-host included (`recovery.transport`): `describe` is the header,
   `WorkerState.tensors` what follows it, `load` what the receiver applies;
 - a peer snapshot (`recovery.snapshots.packing`): the same description, the same tensors
   packed into one buffer;

@@ -372,7 +372,7 @@ def test_fingerprints_need_replicas_and_a_replicated_layout() -> None:
         RecoveryPolicy(fingerprint_every=-1)
 
 
-# -- checked transfers and snapshots (see [Note: checked transfers] in recovery/transfer.py)
+# -- checked transfers and snapshots (see [Note: checked transfers] in recovery/transport/process_group.py)
 
 
 def test_a_transfer_corrupted_in_flight_is_retried_from_another_replica_and_ends_exact(

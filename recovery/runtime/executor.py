@@ -7,7 +7,7 @@ target while another target receives from a third worker over the same process g
 Rollback and the restart baseline restore every worker and have a function of their own.
 The executor decides nothing: what moves where is the planner's. Every receive checks
 what arrived against the sender's digests (see [Note: checked transfers] in
-recovery/transfer.py); a corrupted arrival is never used: `execute` raises
+recovery/transport/process_group.py); a corrupted arrival is never used: `execute` raises
 `TransferCorrupted` once every call has returned, and `execute_or_fall_back` books the
 source (or the snapshot copy) as untrusted and carries out the plan made without it.
 """

@@ -64,7 +64,7 @@ from parallelism.schedule import Schedule
 from recovery.faults import BitFlip, Corrupt, Fault, Kill, KillPoint, WorkerFault
 from recovery.integrity.fingerprint import fingerprint, flip_bit
 from recovery.spec import BatchFn, apply_lr_schedule
-from recovery.transfer import DigestsAhead
+from recovery.transport import DigestsAhead
 from recovery.worker.reports import StepReport, is_comm_error
 from recovery.worker.snapshots import Snapshotting
 from recovery.worker.transfers import StateTransfer
@@ -422,7 +422,7 @@ class StageWorker(Snapshotting, StateTransfer):
 
         ``source``: this worker's stage lost a replica, so it may be asked for its state;
         its digests are taken meanwhile (see [Note: digests taken ahead] in
-        recovery/transfer.py). Returns the committed step and what redundancy this worker
+        recovery/transport/process_group.py). Returns the committed step and what redundancy this worker
         holds (peer snapshots, finished durable writes), for the planner.
         """
         self._drop_step()
