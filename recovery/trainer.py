@@ -22,9 +22,8 @@ from recovery.faults import FailureSchedule
 from recovery.groups.resources import worker_ask
 from recovery.integrity.fingerprint import digest
 from recovery.names import Strategy, Tier
-from recovery.plots import plot_loss
 from recovery.policy import RecoveryPolicy
-from recovery.rundir import RunDir
+from recovery.rundir import RunDir, plot_loss
 from recovery.runtime import Controller, ControllerConfig, StepRecord
 from recovery.spec import TrainSpec
 from recovery.worker import WorkerInfo
