@@ -70,7 +70,8 @@ class Redundancy:
     accepted (see recovery/strategies/embedding.py)."""
     untrusted: frozenset[int] = frozenset()
     """Live ranks whose state arrived corrupted at a receiver during this recovery (see
-    [Note: checked transfers] in recovery/transport/process_group.py): never a source again in it."""
+    [Note: checked transfers] in recovery/transport/process_group.py): never a source
+    again in it."""
     stand_ins: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     """Rank -> the ranks whose snapshots restore it too: the other replicas of its stage,
     where replicas hold bit-identical state (not when they hold different shards). Empty:

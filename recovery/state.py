@@ -20,8 +20,8 @@ Every path that moves, stores or checks a worker's state walks this one declarat
   packed into one buffer;
 - a durable snapshot, a resume and a restart checkpoint (`recovery.snapshots.checkpoint`):
   `dcp_state` / `load_dcp_state`;
-- a fingerprint and the replica vote (`recovery.integrity.fingerprint`): the same tensors by the same
-  names, and a digest of the progress;
+- a fingerprint and the replica vote (`recovery.integrity`): the same tensors by the
+  same names, and a digest of the progress;
 - the final states of `recovery.FitResult` (`WorkerState.to_cpu`).
 
 So a field added to `Progress` travels, is stored and is checked everywhere at once, and

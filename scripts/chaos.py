@@ -467,8 +467,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class _local:
-    """A local Ray on 127.0.0.1 (`recovery.groups.ray_env.connect`), as a context manager that yields
-    no cluster."""
+    """A local Ray on 127.0.0.1 (`recovery.groups.ray_env.connect`), as a context manager
+    that yields no cluster."""
 
     def __init__(self, connect: Any) -> None:
         self.connect = connect

@@ -1,4 +1,4 @@
-"""Failure injection as library code: the same `FailureSchedule` drives tests, the CLI and experiments.
+"""Failure injection as library code: one `FailureSchedule` drives tests, the CLI and experiments.
 
 - ``schedule``: what strikes when -- `FailureSchedule` and its faults (`Kill`, `Hang`,
   `Corrupt`, `BitFlip`, `KillNode`), `KillPoint`, the text form.

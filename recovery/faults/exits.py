@@ -1,4 +1,4 @@
-"""The worker deaths the job causes on purpose: an injected kill, the chaos monkey's, the controller's.
+"""Worker deaths the job causes on purpose: an injected kill, the chaos monkey's, the controller's.
 
 Whoever kills a worker notes its pid here first (`expect_exit`), so that the log reports
 the death in one line instead of Ray's paragraph about an unexpected one (the filter is

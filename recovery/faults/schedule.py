@@ -104,7 +104,8 @@ class BitFlip(_AtWorker):
     ``in_flight``: the bit flips instead in the next state this worker sends to another
     (a recovery's transfer from it), after the digests it sends along were taken -- what a
     bad link does; the receiver finds it (see [Note: checked transfers] in
-    recovery/transport/process_group.py). Armed at ``at`` of ``step``, it fires at the next such send."""
+    recovery/transport/process_group.py). Armed at ``at`` of ``step``, it fires at the next
+    such send."""
 
     seed: int = 0
     in_flight: bool = False

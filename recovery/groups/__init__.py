@@ -1,4 +1,4 @@
-"""Worker groups: the job's worker processes as the runtime sees them, and the Ray plumbing under them.
+"""Worker groups: the job's worker processes as the runtime sees them, and the Ray plumbing.
 
 Nothing here imports `recovery.runtime`: the runtime (the controller, the membership)
 drives workers through `WorkerGroup`, and this package knows nothing of phases or plans.

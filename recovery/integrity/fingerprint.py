@@ -3,9 +3,10 @@
 The replicas of a stage are bit-identical by construction (same seed, same all-reduced
 gradients, same deterministic optimizer), so a hash of the raw bytes of each replica's
 parameters and optimizer state, compared across its stage group, finds a corrupted
-replica exactly (`recovery.integrity.fingerprint_vote` compares them). The hash is XXH3-64 over each tensor's
-bytes, one digest per tensor so that a mismatch can name the tensor: a float sum could
-cancel or round a flipped low bit away, a hash of the bytes cannot. XXH3 is not a
+replica exactly (`recovery.integrity.fingerprint_vote` compares them). The hash is
+XXH3-64 over each tensor's bytes, one digest per tensor so that a mismatch can name the
+tensor: a float sum could cancel or round a flipped low bit away, a hash of the bytes
+cannot. XXH3 is not a
 cryptographic hash -- corruption is not an adversary -- and it runs faster than memory
 copies (~20 GB/s on one core here, against ~1 GB/s for BLAKE2b), so that checking every
 transfer and peer snapshot costs little next to moving the bytes.

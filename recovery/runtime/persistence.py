@@ -73,7 +73,8 @@ class Persistence:
 
     def meta(self) -> dict[str, Any]:
         """What identifies this job in a durable snapshot: a re-run must match it to resume
-        (the model, optimizer, data, schedule and loss as `recovery.snapshots.identity` describes them)."""
+        (the model, optimizer, data, schedule and loss as `recovery.snapshots.identity`
+        describes them)."""
         if self._identity is None:
             self._identity = job_identity(self.spec)
         return {

@@ -195,7 +195,7 @@ class DurableStore(SnapshotFolder):
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        # Imported where used, as in recovery/snapshots/checkpoint.py (~0.9 s of every worker start).
+        # Imported where used, as in checkpoint.py (~0.9 s of every worker start).
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict_saver import (
             AsyncCheckpointerType,

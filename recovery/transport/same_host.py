@@ -19,8 +19,9 @@ either.
 Hashing is a third of the work (XXH3 runs at ~28 GB/s on one core, the cross-memory copy
 at ~9), so it is taken off the copy's path on both sides. The sender's digests are
 usually ready before anyone asks: a survivor hashes its state while the replacement
-starts ([Note: digests taken ahead] in recovery/transport/process_group.py), and otherwise it sends its
-offer first and its digests after, hashing while the receiver copies. The receiver reads
+starts ([Note: digests taken ahead] in recovery/transport/process_group.py), and
+otherwise it sends its offer first and its digests after, hashing while the receiver
+copies. The receiver reads
 on helper threads (`READERS`, batches of whole tensors in turn) -- the copy runs in the
 kernel, without the GIL -- `CHUNK_BYTES` at a time, and hashes each piece right after it
 lands, while it is still in the cache, instead of reading a batch out to memory and back.

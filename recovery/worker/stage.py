@@ -108,9 +108,9 @@ class StageWorker(Snapshotting, StateTransfer):
         ``faults`` are injected failures to fire at their points of this step or its commit.
         With ``fingerprint``, the report carries the fingerprint of the state this step
         starts from, taken after the all-reduce (see [Note: fingerprint vote] in
-        recovery/integrity/fingerprint_vote.py). Returns a failed report (and tears down this generation) on a
-        communication error, and a ``skipped`` one for a step sent ahead whose predecessor
-        this worker did not commit.
+        recovery/integrity/fingerprint_vote.py). Returns a failed report (and tears down
+        this generation) on a communication error, and a ``skipped`` one for a step sent
+        ahead whose predecessor this worker did not commit.
 
         Raises:
             RuntimeError: if ``step`` is not this worker's next step.
@@ -422,8 +422,9 @@ class StageWorker(Snapshotting, StateTransfer):
 
         ``source``: this worker's stage lost a replica, so it may be asked for its state;
         its digests are taken meanwhile (see [Note: digests taken ahead] in
-        recovery/transport/process_group.py). Returns the committed step and what redundancy this worker
-        holds (peer snapshots, finished durable writes), for the planner.
+        recovery/transport/process_group.py). Returns the committed step and what
+        redundancy this worker holds (peer snapshots, finished durable writes), for the
+        planner.
         """
         self._drop_step()
         self._faults = []

@@ -27,8 +27,9 @@ from recovery.worker.lifecycle import WorkerLifecycle
 __all__ = ["Corruption", "StateTransfer"]
 
 Corruption = dict[int, list[str]]
-"""What a receive found corrupted (see [Note: checked transfers] in recovery/transport/process_group.py):
-source rank -> the tensors whose bytes differ from the sender's digests; empty: intact."""
+"""What a receive found corrupted (see [Note: checked transfers] in
+recovery/transport/process_group.py): source rank -> the tensors whose bytes differ from
+the sender's digests; empty: intact."""
 
 
 class StateTransfer(WorkerLifecycle):
