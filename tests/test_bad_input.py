@@ -172,7 +172,7 @@ def test_train_cli_fingerprint_every_alone_is_the_recommended_k(
 def test_nccl_on_a_cluster_without_gpus_says_what_is_missing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from recovery.runtime import ray_group
+    from recovery.groups import ray_group
     from recovery.worker import StageWorker
 
     monkeypatch.setattr(

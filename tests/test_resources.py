@@ -73,7 +73,7 @@ def test_replace_timeout_s_lands_in_timeouts() -> None:
 
 
 def test_check_capacity_counts_whole_workers_per_node(monkeypatch: pytest.MonkeyPatch) -> None:
-    from recovery.runtime import ray_group
+    from recovery.groups import ray_group
     from recovery.worker import StageWorker
 
     nodes = [{"Alive": True, "Resources": {"CPU": 3.0}}, {"Alive": True, "Resources": {"CPU": 1.0}}]
