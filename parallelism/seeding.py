@@ -57,7 +57,7 @@ def seeded(*keys: int | str) -> Iterator[None]:
 
 class Randomness:
     """A worker's random streams: what a step seeds and draws from, in one place, so that
-    workers that are threads of one process (recovery/runtime/thread_group.py) can keep
+    workers that are threads of one process (recovery/groups/thread_group.py) can keep
     streams of their own (`ThreadRandomness`). This one is a process's: torch's global
     generators (CPU and CUDA), Python's and NumPy's.
     """

@@ -1,4 +1,26 @@
-"""What happens when workers die: detection, planning, strategies, the Ray runtime, the public API."""
+"""What happens when workers die: detection, planning, strategies, the Ray runtime, the public API.
+
+Bottom layer first (tests/test_layers.py holds the order; nothing imports upward):
+
+- ``names``, ``errors``, ``events``: the vocabulary, the domain errors, a recovery's record.
+- ``wire``: the JSON header format of whatever travels or is stored besides tensor bytes.
+- ``spec``: `TrainSpec`, what to train (model, loss, optimizer, data).
+- ``strategies/``: the recovery math (CheckFree, CheckFree+, embedding mirrors, PLS).
+- ``rundir``: the run folder (metrics, events, summary, the loss plot).
+- ``reference``: the single-process oracle run, and `differences` against it.
+- ``state``: `WorkerState` and `Progress`, what one worker holds, declared once.
+- ``policy``: `RecoveryPolicy`, what the job may do when workers die.
+- ``integrity/``: fingerprints of a state and the vote that finds a corrupted replica.
+- ``transport/``: moving a worker's state to a peer (process group, same host).
+- ``snapshots/``: peer and durable snapshots, restart checkpoints, the resume identity.
+- ``faults/``: failure injection (the schedule, its arming, the chaos monkey).
+- ``planner``: `plan(...) -> RecoveryPlan`, pure.
+- ``worker/``: `StageWorker` (and `TableWorker`), one stage of one replica.
+- ``groups/``: the worker processes (threads or Ray actors) and the Ray plumbing.
+- ``runtime/``: the controller's phase machine over a worker group.
+- ``trainer``: `Trainer` / `FitResult`, the public entry point.
+- ``cli/``: the installed programs (``checkfree-train``).
+"""
 
 from parallelism.datasets import batches_from_dataset
 from recovery.errors import RecoveryError, RedundancyExhausted

@@ -42,7 +42,8 @@ class SnapshotCorrupted(RecoveryError):
 class TransferCorrupted(RecoveryError):
     """State arrived whose bytes do not match the digests its sender took of them: it was
     corrupted on the way (a bad link or NIC) or, for a snapshot, in the memory that held
-    it (see [Note: checked transfers] in recovery/transfer.py). Nothing of it is trusted.
+    it (see [Note: checked transfers] in recovery/transport/process_group.py). Nothing of
+    it is trusted.
 
     ``found`` lists each corrupted arrival as ``(target rank, source rank, tensor names)``;
     ``snapshot`` is the step of the peer snapshot that arrived corrupted (None: a live

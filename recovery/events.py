@@ -56,9 +56,10 @@ class RecoveryEvent:
     without a majority (two replicas, or a tie), and the tensors they disagree on."""
     transfers_corrupted: list[dict[str, Any]] = field(default_factory=list)
     """State that arrived corrupted during this recovery and was never used (see [Note:
-    checked transfers] in recovery/transfer.py): ``{"target": (stage, replica), "source":
-    (stage, replica), "tensors": [names], "snapshot": step of a peer snapshot, or None for
-    a live worker's state}``. The recovery then went on from another source."""
+    checked transfers] in recovery/transport/process_group.py): ``{"target": (stage,
+    replica), "source": (stage, replica), "tensors": [names], "snapshot": step of a peer
+    snapshot, or None for a live worker's state}``. The recovery then went on from another
+    source."""
     embedding: dict[str, float] | None = None
     """Embedding tables (a restore from a shard mirror): ``rows_exact``, ``rows_stale``,
     ``lost_samples`` (samples whose updates were lost), ``pls_event`` (those over the

@@ -25,15 +25,21 @@ Invariants, property-tested in tests/test_planner.py:
   its step has a live copy of every worker's state;
 - ``RedundancyExhausted`` is raised if and only if some unit has no allowed source at all;
 - an ``exact_only`` policy never yields an approximate action.
+
+``corruption_plan`` is the plan for a fingerprint vote's verdict ([Note: fingerprint vote]
+in recovery/integrity/fingerprint_vote.py): the odd replicas rebuilt from the majority, or
+everyone rolled back to a snapshot taken when the replicas last agreed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from parallelism.topology import Topology
 from recovery.errors import RedundancyExhausted
+from recovery.integrity.fingerprint_vote import Verdict, can_vote
 from recovery.names import APPROXIMATE, Mode, Strategy, Tier
 from recovery.policy import RecoveryPolicy
 
@@ -64,7 +70,8 @@ class Redundancy:
     accepted (see recovery/strategies/embedding.py)."""
     untrusted: frozenset[int] = frozenset()
     """Live ranks whose state arrived corrupted at a receiver during this recovery (see
-    [Note: checked transfers] in recovery/transfer.py): never a source again in it."""
+    [Note: checked transfers] in recovery/transport/process_group.py): never a source
+    again in it."""
     stand_ins: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     """Rank -> the ranks whose snapshots restore it too: the other replicas of its stage,
     where replicas hold bit-identical state (not when they hold different shards). Empty:
@@ -438,3 +445,67 @@ def _restart(topology: Topology, lost: set[int], redundancy: Redundancy) -> Reco
         RecoveryAction(rank=r, strategy=Strategy.RESTART) for r in range(topology.world_size)
     )
     return RecoveryPlan(actions=actions, resume_step=resume, lost=tuple(sorted(lost)))
+
+
+def corruption_plan(
+    topology: Topology,
+    verdict: Verdict,
+    *,
+    step: int,
+    verified: int,
+    lost: Collection[int],
+    redundancy: Redundancy,
+    policy: RecoveryPolicy,
+) -> RecoveryPlan:
+    """The recovery from a mismatch found at ``step`` (last agreeing check at ``verified``).
+
+    ``lost``: the workers taken out of the job (the suspects, when `can_vote`; more when a
+    recovery was interrupted). Either each suspect is rebuilt from its stage's majority
+    (``replica_vote``, resume at ``step``), or everyone rolls back to the newest snapshot
+    at or before ``verified``.
+
+    Raises:
+        RedundancyExhausted: if a rollback is needed and no snapshot at or before
+            ``verified`` survives for every worker (or the policy forbids rollback).
+    """
+    lost_set = set(lost)
+    if can_vote(verdict, step, verified, policy) and lost_set == set(verdict.suspects):
+        actions: list[RecoveryAction] = []
+        for rank in verdict.suspects:
+            stage = topology.worker(rank).stage
+            sources = [
+                r
+                for r in verdict.majority[stage]
+                if redundancy.alive.get(r) == step
+                and r not in lost_set
+                and r not in redundancy.untrusted
+            ]
+            if not sources:
+                break
+            actions.append(
+                RecoveryAction(
+                    rank=rank,
+                    strategy=Strategy.REPLICA_VOTE,
+                    sources=(sources[len(actions) % len(sources)],),
+                )
+            )
+        else:
+            return RecoveryPlan(tuple(actions), resume_step=step, lost=tuple(sorted(lost_set)))
+    return plan(topology, lost_set, clean_before(redundancy, verified), policy, rollback_all=True)
+
+
+def clean_before(redundancy: Redundancy, verified: int) -> Redundancy:
+    """``redundancy`` without the snapshots newer than ``verified`` (they may hold a
+    corrupted state, or one trained on corrupted gradients)."""
+    return dataclasses.replace(
+        redundancy,
+        peer_own={
+            r: [s for s in steps if s <= verified] for r, steps in redundancy.peer_own.items()
+        },
+        peer_held={
+            h: {w: [s for s in steps if s <= verified] for w, steps in wards.items()}
+            for h, wards in redundancy.peer_held.items()
+        },
+        durable_steps=tuple(s for s in redundancy.durable_steps if s <= verified),
+        checkpoint_steps=tuple(s for s in redundancy.checkpoint_steps if s <= verified),
+    )

@@ -304,7 +304,7 @@ class RecoveryPolicy:
     """Silent data corruption: every this many steps each worker fingerprints its stage
     state before the commit, and a worker whose fingerprint differs from its stage group's
     majority is rebuilt from it (``replica_vote``), or the job rolls back to the newest
-    snapshot whose fingerprints agreed (see [Note: fingerprint vote] in recovery/vote.py).
+    snapshot whose fingerprints agreed (see [Note: fingerprint vote] in recovery/integrity/fingerprint_vote.py).
     Needs two or more replicas. None or 0: off."""
     checkfree: CheckFreeConfig = field(default_factory=_default_checkfree)
     """The knobs of CheckFree(+) rebuilds (averaging, learning-rate scale, optimizer reset)."""

@@ -5,13 +5,19 @@ same global batch -- every replica's batch of a step, concatenated -- in one pro
 no pipeline, no microbatches and no communication. Pipeline x data-parallel training must
 reproduce its losses and weights up to float32 rounding; the benchmarks use it as the
 framework-free speed baseline.
+
+`differences` is the oracle's comparison: a job that recovered exactly ends with the losses
+and the final states of the run that never failed (this reference, or a job that never
+failed), bit for bit; `relative_difference` is the norm-wise gap an approximate one is
+held to.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -108,3 +114,48 @@ def train_reference(
 
 def _cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+
+def relative_difference(got: torch.Tensor, oracle: torch.Tensor) -> float:
+    """``|got - oracle| / |oracle|`` in the L2 norm (0 for two zero tensors)."""
+    scale = float(oracle.double().norm())
+    gap = float((got.double() - oracle.double()).norm())
+    return gap / scale if scale else gap
+
+
+def differences(got: Any, oracle: Any, *, where: str = "", rtol: float = 0.0) -> list[str]:
+    """Where ``got`` differs from ``oracle``: nested dicts / lists of tensors and numbers,
+    e.g. two `FitResult.states` or two loss lists. Tensors are compared with `torch.equal`
+    (same shape, dtype and every bit of value) and numbers with ``==``; empty: identical.
+    With ``rtol`` > 0, floating-point values need only agree within ``rtol`` relative -- a
+    tensor by the norm of its difference against its own norm, elements near zero (an
+    optimizer moment) being no scale of their own -- which is what a shrunk job of three or
+    more replicas reaches (see recovery/runtime/elastic.py)."""
+    if isinstance(oracle, torch.Tensor):
+        if not (isinstance(got, torch.Tensor) and got.dtype == oracle.dtype):
+            return [f"{where}: {type(got).__name__} vs a {oracle.dtype} tensor"]
+        if rtol and oracle.is_floating_point():
+            close = got.shape == oracle.shape and relative_difference(got, oracle) <= rtol
+            return [] if close else [f"{where}: tensors differ by more than rtol {rtol:g}"]
+        return [] if torch.equal(got, oracle) else [f"{where}: tensors differ"]
+    if isinstance(oracle, Mapping):
+        if not isinstance(got, Mapping) or set(got) != set(oracle):
+            return [f"{where}: keys {sorted(map(str, got))} vs {sorted(map(str, oracle))}"]
+        return [
+            d
+            for k in oracle
+            for d in differences(got[k], oracle[k], where=f"{where}/{k}", rtol=rtol)
+        ]
+    if isinstance(oracle, list | tuple):
+        if not isinstance(got, list | tuple) or len(got) != len(oracle):
+            n = len(got) if isinstance(got, list | tuple) else type(got).__name__
+            return [f"{where}: {n} items vs {len(oracle)}"]
+        return [
+            d
+            for i, (a, b) in enumerate(zip(got, oracle, strict=True))
+            for d in differences(a, b, where=f"{where}[{i}]", rtol=rtol)
+        ]
+    if rtol and isinstance(oracle, float) and isinstance(got, float):
+        ok = abs(got - oracle) <= rtol * abs(oracle)
+        return [] if ok else [f"{where}: {got!r} vs {oracle!r} (rtol {rtol:g})"]
+    return [] if got == oracle else [f"{where}: {got!r} vs {oracle!r}"]

@@ -14,14 +14,14 @@ A worker's state is three parts, and nothing else:
 
 Every path that moves, stores or checks a worker's state walks this one declaration:
 
-- a live transfer, same-host included (`recovery.transfer`): `describe` is the header,
+- a live transfer, same-host included (`recovery.transport`): `describe` is the header,
   `WorkerState.tensors` what follows it, `load` what the receiver applies;
 - a peer snapshot (`recovery.snapshots.packing`): the same description, the same tensors
   packed into one buffer;
-- a durable snapshot, a resume and a restart checkpoint (`recovery.checkpoint`):
+- a durable snapshot, a resume and a restart checkpoint (`recovery.snapshots.checkpoint`):
   `dcp_state` / `load_dcp_state`;
-- a fingerprint and the replica vote (`recovery.fingerprint`): the same tensors by the same
-  names, and a digest of the progress;
+- a fingerprint and the replica vote (`recovery.integrity`): the same tensors by the
+  same names, and a digest of the progress;
 - the final states of `recovery.FitResult` (`WorkerState.to_cpu`).
 
 So a field added to `Progress` travels, is stored and is checked everywhere at once, and

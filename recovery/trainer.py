@@ -19,12 +19,11 @@ from parallelism.devices import check_device
 from parallelism.topology import Topology
 from recovery.events import RecoveryEvent
 from recovery.faults import FailureSchedule
-from recovery.fingerprint import digest
+from recovery.groups.resources import worker_ask
+from recovery.integrity.fingerprint import digest
 from recovery.names import FailureCause, Strategy, Tier
-from recovery.plots import plot_loss
 from recovery.policy import RecoveryPolicy
-from recovery.resources import worker_ask
-from recovery.rundir import RunDir
+from recovery.rundir import RunDir, plot_loss
 from recovery.runtime import Controller, ControllerConfig, StepRecord
 from recovery.spec import TrainSpec
 from recovery.worker import WorkerInfo
@@ -136,7 +135,7 @@ class Trainer:
             or None (default): the backend's own -- CPU under Gloo, the worker's GPU under
             NCCL. ``backend="gloo", device="cuda"`` computes on CUDA and communicates over
             Gloo, staged through pinned host memory: several workers may then share one
-            GPU (each asks Ray for a share of one, see recovery/resources.py). See
+            GPU (each asks Ray for a share of one, see recovery/groups/resources.py). See
             parallelism/devices.py.
         run_dir: a folder for metrics, events, summary and plot (created); None: none.
         progress: show a progress bar.

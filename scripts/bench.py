@@ -687,8 +687,9 @@ def _dp_spec() -> TrainSpec:
 def _step_times(spec: TrainSpec, top: Topology, every: int | None, steps: int) -> dict[int, float]:
     """Seconds of each committed step of a failure-free job over worker threads (no Ray:
     the same workers, controller and Gloo groups, without Ray's start-up), by step."""
+    from recovery.groups import ThreadWorkerGroup
     from recovery.policy import RecoveryPolicy
-    from recovery.runtime import Controller, ControllerConfig, ThreadWorkerGroup
+    from recovery.runtime import Controller, ControllerConfig
     from recovery.runtime.layouts import layout_for
 
     policy = RecoveryPolicy(fingerprint_every=every, snapshot_every=None)
@@ -704,7 +705,7 @@ def _step_times(spec: TrainSpec, top: Topology, every: int | None, steps: int) -
 
 def _digest_rate(nbytes: int) -> float:
     """Bytes/s of one fingerprint digest (XXH3-64) of a ``nbytes`` tensor on one core (best of 5)."""
-    from recovery.fingerprint import digest
+    from recovery.integrity.fingerprint import digest
 
     data = torch.randn(nbytes // 4)
     best = float("inf")
@@ -730,7 +731,7 @@ def _fingerprint_runs(every: int | None, steps: int, checks: int) -> int:
 def fingerprint_cost(args: argparse.Namespace) -> None:
     """Per-step cost of fingerprint checks at K = 1, 10, 50 and the recommended K against
     none, on two jobs, measured side by side in one run, with the amortised estimate."""
-    from recovery.fingerprint import RECOMMENDED_FINGERPRINT_EVERY
+    from recovery.integrity.fingerprint import RECOMMENDED_FINGERPRINT_EVERY
 
     torch.set_num_threads(1)
     jobs = {

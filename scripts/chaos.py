@@ -49,21 +49,16 @@ from torch.utils._pytree import tree_leaves
 
 from parallelism import Topology
 from recovery import FitResult, RecoveryPolicy, Trainer, TrainSpec
-from recovery.chaos import (
-    ChaosMonkey,
-    KillRecord,
-    differences,
-    kill_schedule,
-    relative_difference,
-)
+from recovery.faults import ChaosMonkey, KillRecord, kill_schedule
 from recovery.names import Strategy
+from recovery.reference import differences, relative_difference
 
 LOSS_RTOL = 1e-6
 """How close a shrunk job's losses are held to the uninterrupted run's (3+ replicas)."""
 STATE_RTOL = 1e-4
 """How close its final weights and optimizer moments are held, each tensor by the norm of
-its difference (`recovery.chaos.relative_difference`): AdamW's division by the square root
-of a second moment amplifies a last-bit difference in a gradient."""
+its difference (`recovery.reference.relative_difference`): AdamW's division by the square
+root of a second moment amplifies a last-bit difference in a gradient."""
 
 WIDTH = 16
 MODELS = ("mlp", "bn-cnn")
@@ -357,7 +352,7 @@ def _exact(args: argparse.Namespace, result: FitResult) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     torch.set_num_threads(1)
-    from recovery.ray_env import connect, local_cluster
+    from recovery.groups.ray_env import connect, local_cluster
 
     top = Topology(args.stages, args.replicas)
     until = f"{args.kills} kills" if args.kills is not None else f"{args.seconds:g} s"
@@ -472,8 +467,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class _local:
-    """A local Ray on 127.0.0.1 (`recovery.ray_env.connect`), as a context manager that yields
-    no cluster."""
+    """A local Ray on 127.0.0.1 (`recovery.groups.ray_env.connect`), as a context manager
+    that yields no cluster."""
 
     def __init__(self, connect: Any) -> None:
         self.connect = connect
@@ -485,7 +480,7 @@ class _local:
     def __exit__(self, *exc: object) -> None:
         import ray
 
-        from recovery.pool import POOL
+        from recovery.groups.pool import POOL
 
         POOL.clear()
         ray.shutdown()

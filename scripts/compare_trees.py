@@ -28,7 +28,7 @@ from pathlib import Path
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import peers, torch
 torch.set_num_threads(1)
-from recovery.ray_env import connect
+from recovery.groups.ray_env import connect
 connect()
 with tempfile.TemporaryDirectory() as tmp:
     steady, back = peers.run_checkfree(int(sys.argv[1]), int(sys.argv[2]), Path(tmp))

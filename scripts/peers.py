@@ -339,7 +339,7 @@ def _process(cmd: list[str], output: Path, env: dict[str, str] | None = None):  
 def run_checkfree(width: int, spares: int, out: Path) -> tuple[float, float]:
     from parallelism import Topology
     from recovery import FailureSchedule, Kill, KillPoint, RecoveryPolicy, Trainer, TrainSpec
-    from recovery.pool import POOL
+    from recovery.groups.pool import POOL
 
     # Fresh worker processes, as the peers' runs have: not ones parked by the run before,
     # which a recovery may have started (see [Note: huge pages for a worker's heap]).

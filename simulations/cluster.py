@@ -569,7 +569,7 @@ def sweep(
     import ray  # only sweeps on a cluster need Ray
     from ray.exceptions import GetTimeoutError
 
-    from recovery.ray_env import connect  # the one embedded Ray: loopback only
+    from recovery.groups.ray_env import connect  # the one embedded Ray: loopback only
 
     connect(log_to_driver=False)
     remote = ray.remote(_run_scenario)

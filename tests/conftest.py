@@ -26,7 +26,7 @@ _EXIT_STATUS: list[int] = []
 @pytest.fixture
 def ray_local():
     """A local Ray on 127.0.0.1, started once and shared by the tests that use it."""
-    from recovery.ray_env import connect
+    from recovery.groups.ray_env import connect
 
     connect()
     yield
@@ -37,7 +37,7 @@ def pytest_sessionfinish(session, exitstatus):  # type: ignore[no-untyped-def]
     import ray
 
     if ray.is_initialized():
-        from recovery.pool import POOL
+        from recovery.groups.pool import POOL
 
         POOL.clear()
         ray.shutdown()

@@ -15,7 +15,8 @@ from typing import Any
 
 from parallelism import Topology
 from recovery import FailureSchedule, RecoveryPolicy
-from recovery.runtime import Controller, ControllerConfig, Phase, ThreadWorkerGroup
+from recovery.groups import ThreadWorkerGroup
+from recovery.runtime import Controller, ControllerConfig, Phase
 from recovery.runtime.layouts import layout_for
 from recovery.spec import TrainSpec
 
@@ -94,9 +95,9 @@ def in_threads(fns: list[Callable[[], Any]], timeout_s: float = 60.0) -> list[An
 
 
 def ray_cluster(cpus_per_node: int, worker_nodes: int = 2) -> Iterator[tuple[Any, list[Any]]]:
-    """A fixture body: `recovery.ray_env.local_cluster` (a head and ``worker_nodes`` nodes of
+    """A fixture body: `recovery.groups.ray_env.local_cluster` (a head and ``worker_nodes`` nodes of
     ``cpus_per_node`` CPUs each, on loopback, this process connected), torn down after."""
-    from recovery.ray_env import local_cluster
+    from recovery.groups.ray_env import local_cluster
 
     with local_cluster(cpus_per_node, worker_nodes) as (cluster, workers):
         yield cluster, workers

@@ -7,7 +7,7 @@ import torch
 
 from parallelism import Topology
 from recovery import RecoveryPolicy, Trainer, TrainSpec
-from recovery.fingerprint import RECOMMENDED_FINGERPRINT_EVERY
+from recovery.integrity.fingerprint import RECOMMENDED_FINGERPRINT_EVERY
 from recovery.runtime.membership import Membership
 from tests.workloads import mlp_spec, tiny_llama
 
@@ -19,7 +19,7 @@ def no_workers(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(Membership, "start", refuse)
     monkeypatch.setattr(Membership, "start_job", refuse)
-    monkeypatch.setattr("recovery.runtime.ray_group.connect", refuse)
+    monkeypatch.setattr("recovery.groups.ray_group.connect", refuse)
 
 
 def test_model_with_fewer_blocks_than_stages() -> None:
@@ -172,7 +172,7 @@ def test_train_cli_fingerprint_every_alone_is_the_recommended_k(
 def test_nccl_on_a_cluster_without_gpus_says_what_is_missing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from recovery.runtime import ray_group
+    from recovery.groups import ray_group
     from recovery.worker import StageWorker
 
     monkeypatch.setattr(

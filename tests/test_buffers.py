@@ -18,7 +18,7 @@ from parallelism import Topology
 from parallelism.buffers import StageBuffers, evaluating, persistent_buffers
 from parallelism.seeding import Randomness, ThreadRandomness
 from recovery import Kill, KillPoint, batches_from_dataset
-from recovery.chaos import differences
+from recovery.reference import differences
 from recovery.runtime import Phase
 from recovery.worker import StageWorker
 from tests.jobs import drive, make

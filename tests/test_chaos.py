@@ -1,6 +1,7 @@
-"""scripts/chaos.py and recovery/chaos.py: the kill schedule (pure, seeded), the SIGKILL
-that says whether it landed, the chaos thread against a stand-in job, the oracle, and a
-short run of the script itself (real Ray, real kills, exit status 0)."""
+"""scripts/chaos.py and recovery/faults/monkey.py: the kill schedule (pure, seeded), the SIGKILL
+that says whether it landed, the chaos thread against a stand-in job, the oracle
+(recovery/reference.py), and a short run of the script itself (real Ray, real kills, exit
+status 0)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from recovery.chaos import ChaosMonkey, PlannedKill, differences, kill_process, kill_schedule
+from recovery.faults import ChaosMonkey, PlannedKill, kill_process, kill_schedule
+from recovery.reference import differences
 from recovery.worker import WorkerInfo
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -233,9 +233,9 @@ def test_grad_norm_tracker() -> None:
     tracker.record(0, 0.5)
     tracker.record(2, 1.0)
     assert tracker.neighbours(1) == (0.5, 1.0) and tracker.neighbours(0) == (None, None)
-    snapshot = tracker.copy()
+    before = tracker.copy()
     tracker.forget(0)
-    assert tracker.last(0) is None and snapshot.last(0) == 0.5
+    assert tracker.last(0) is None and before.last(0) == 0.5
     with pytest.raises(ValueError, match="finite and >= 0"):
         tracker.record(1, float("inf"))
     with pytest.raises(ValueError, match=r"outside 0\.\.3"):

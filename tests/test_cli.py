@@ -125,7 +125,7 @@ def test_ray_job_submit_of_the_train_script(tmp_path: Path) -> None:
     """`ray start --head` on 127.0.0.1, `ray job submit` of scripts/train.py, `ray stop`."""
     import ray
 
-    from recovery.pool import POOL
+    from recovery.groups.pool import POOL
 
     if ray.is_initialized():  # `ray stop` would take the session's embedded Ray down anyway
         POOL.clear()

@@ -673,14 +673,14 @@ class _FakeRay(ModuleType):
 
 
 def _use_fake_ray(monkeypatch: pytest.MonkeyPatch, fake: _FakeRay) -> None:
-    """Put ``fake`` in place of Ray, also where recovery.ray_env (imported by an earlier
+    """Put ``fake`` in place of Ray, also where recovery.groups.ray_env (imported by an earlier
     test, or not) already holds the real module."""
-    import recovery.ray_env
+    import recovery.groups.ray_env
 
     monkeypatch.setitem(sys.modules, "ray", fake)
     monkeypatch.setitem(sys.modules, "ray.exceptions", fake.exceptions)
-    monkeypatch.setattr(recovery.ray_env, "ray", fake)
-    monkeypatch.setattr(recovery.ray_env, "_quiet_expected_deaths", lambda: None)
+    monkeypatch.setattr(recovery.groups.ray_env, "ray", fake)
+    monkeypatch.setattr(recovery.groups.ray_env, "_quiet_expected_deaths", lambda: None)
 
 
 def test_sweep_fans_out_through_ray(monkeypatch: pytest.MonkeyPatch) -> None:

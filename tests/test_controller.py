@@ -18,8 +18,8 @@ import torch
 from parallelism import Topology
 from parallelism.comm import StageComm
 from recovery import Hang, Kill, KillPoint, RecoveryError, RecoveryPolicy
-from recovery.chaos import differences
 from recovery.policy import Timeouts
+from recovery.reference import differences
 from recovery.runtime import Phase
 from recovery.trainer import final_trajectory
 from tests.jobs import STEPS, drive, make

@@ -19,7 +19,7 @@ from parallelism.devices import (
     wire_device,
 )
 from recovery import FailureSchedule, Kill, KillPoint, RecoveryPolicy, Trainer, TrainSpec
-from recovery.resources import SHARED_GPU, worker_ask
+from recovery.groups.resources import SHARED_GPU, worker_ask
 from recovery.runtime import Phase
 from tests.jobs import drive, make
 from tests.workloads import mlp_spec
@@ -255,7 +255,7 @@ def test_a_state_transfer_hands_the_backend_the_state_where_it_lives() -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from recovery.state import Progress, WorkerState
-    from recovery.transfer import recv_state, send_state
+    from recovery.transport import ProcessGroupTransport
     from tests.test_comm import _pair
 
     comms = _pair(Topology(2, 1))
@@ -268,11 +268,12 @@ def test_a_state_transfer_hands_the_backend_the_state_where_it_lives() -> None:
     modules[0](torch.randn(2, 8)).sum().backward()
     optimizers[0].step()
     with ThreadPoolExecutor(1) as pool:
-        # local=False: on one host a Gloo transfer on the CPU would skip the backend
-        # altogether (recovery/same_host.py); this is about what the backend is handed.
+        # Over the process group: on one host a Gloo transfer on the CPU would skip the
+        # backend altogether (SameHostTransport); this is about what the backend is handed.
         source = WorkerState(modules[0], optimizers[0], Progress(1))
-        sent = pool.submit(send_state, comms[0], 1, source, local=False)
-        progress, _ = recv_state(comms[1], 0, WorkerState(modules[1], optimizers[1], Progress()))
+        sent = pool.submit(ProcessGroupTransport(comms[0]).send, 1, source)
+        receiver = ProcessGroupTransport(comms[1])
+        progress, _ = receiver.recv(0, WorkerState(modules[1], optimizers[1], Progress()))
         sent.result(timeout=30)
     for c in comms:
         c.close()

@@ -20,11 +20,12 @@ from hypothesis import strategies as st
 
 from parallelism import Topology
 from recovery import Kill, RecoveryPolicy
-from recovery.chaos import differences
 from recovery.errors import PlacementFailed
+from recovery.groups import ThreadWorkerGroup
 from recovery.names import Strategy
 from recovery.planner import RecoveryAction, RecoveryPlan
-from recovery.runtime import Controller, Phase, ThreadWorkerGroup
+from recovery.reference import differences
+from recovery.runtime import Controller, Phase
 from recovery.runtime.elastic import complete_replicas, shares, shrinkable
 from tests.jobs import drive, make
 from tests.workloads import mlp_spec

@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 
 from parallelism import Topology
 from recovery import BitFlip, Kill, KillPoint, RecoveryPolicy, TrainSpec
-from recovery.chaos import differences
+from recovery.reference import differences
 from recovery.runtime import Controller
 from recovery.runtime import Phase as JobPhase
 from recovery.state import Progress

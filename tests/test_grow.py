@@ -18,8 +18,8 @@ import pytest
 
 from parallelism import Topology
 from recovery import RecoveryPolicy, Trainer
-from recovery.chaos import differences
-from recovery.ray_env import local_cluster
+from recovery.groups.ray_env import local_cluster
+from recovery.reference import differences
 from tests.workloads import mlp_spec
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]

@@ -103,7 +103,7 @@ def test_an_embedded_run_listens_on_loopback_only() -> None:
 def test_the_cluster_simulator_starts_ray_through_the_one_loopback_helper(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import recovery.ray_env
+    import recovery.groups.ray_env
     from simulations import cluster
 
     calls = []
@@ -115,7 +115,7 @@ def test_the_cluster_simulator_starts_ray_through_the_one_loopback_helper(
         calls.append(kwargs)
         raise Started
 
-    monkeypatch.setattr(recovery.ray_env, "connect", connect)
+    monkeypatch.setattr(recovery.groups.ray_env, "connect", connect)
     with pytest.raises(Started):
         cluster.sweep([], use_ray=True)
     assert calls

@@ -110,7 +110,7 @@ def test_a_ray_workers_steady_steps_fault_in_almost_no_fresh_pages() -> None:
     the pad; with it 0.05-0.08 in workers holding their heap in huge pages (the job's
     own, started ahead: [Note: huge pages for a worker's heap]), 0.07-12 in workers
     without them."""
-    from recovery.pool import POOL
+    from recovery.groups.pool import POOL
 
     POOL.clear()  # workers parked by earlier tests keep what they were started with
     spec = mlp_spec(build_stage=_wide_stage, batches=_wide_batches, microbatches=1)
@@ -214,8 +214,8 @@ def _environ(pid: int) -> dict[str, str]:
 def test_workers_started_ahead_get_the_tunable_and_a_recoverys_replacement_does_not() -> None:
     """Huge pages fault in fresh more slowly than small ones on some hosts, so a worker
     started on a recovery's critical path keeps malloc's default."""
-    from recovery.pool import POOL
-    from recovery.runtime.ray_group import RayWorkerGroup
+    from recovery.groups.pool import POOL
+    from recovery.groups.ray_group import RayWorkerGroup
     from tests.workloads import EchoWorker
 
     POOL.clear()  # workers parked by earlier tests keep what they were started with

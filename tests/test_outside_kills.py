@@ -18,7 +18,7 @@ import torch
 
 from parallelism import Topology
 from recovery import RecoveryPolicy, Trainer
-from recovery.chaos import differences
+from recovery.reference import differences
 from recovery.runtime import Controller, ControllerConfig, Phase
 from tests.workloads import mlp_spec
 

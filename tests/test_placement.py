@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from parallelism import Topology
-from recovery.placement import place, replacement_node
+from recovery.groups.placement import place, replacement_node
 
 
 @given(st.integers(1, 8), st.integers(1, 6), st.integers(1, 6))

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from recovery import ray_env
-from recovery.runtime.group import expect_exit
+from recovery.faults.exits import expect_exit
+from recovery.groups import ray_env
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY_DEATH = (

@@ -18,7 +18,7 @@ import pytest
 
 from parallelism import Topology
 from recovery import Kill, RecoveryPolicy
-from recovery.chaos import differences
+from recovery.reference import differences
 from recovery.runtime import Controller, Phase
 from recovery.state import Progress, Rebuild
 from recovery.trainer import final_trajectory

@@ -22,7 +22,7 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def uninterrupted() -> FitResult:
-    from recovery.ray_env import connect
+    from recovery.groups.ray_env import connect
 
     connect()
     return Trainer(tiny_llama(), topology=TOPOLOGY).fit(STEPS)

@@ -18,7 +18,8 @@ import torch
 
 from parallelism import Topology
 from recovery import Kill, RecoveryError, RecoveryPolicy
-from recovery.runtime import Controller, Phase, ThreadWorkerGroup
+from recovery.groups import ThreadWorkerGroup
+from recovery.runtime import Controller, Phase
 from recovery.runtime.controller import MAX_INTERRUPTIONS
 from tests.jobs import drive, make
 from tests.test_controller import assert_equal_states

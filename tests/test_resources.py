@@ -12,8 +12,8 @@ import pytest
 from parallelism import Topology
 from recovery import RecoveryPolicy, Trainer
 from recovery.errors import PlacementFailed
-from recovery.pool import POOL
-from recovery.resources import actor_options, fits, worker_ask
+from recovery.groups.pool import POOL
+from recovery.groups.resources import actor_options, fits, worker_ask
 from recovery.runtime import Controller, ControllerConfig, Phase
 from tests.jobs import ray_cluster
 from tests.workloads import mlp_spec
@@ -73,7 +73,7 @@ def test_replace_timeout_s_lands_in_timeouts() -> None:
 
 
 def test_check_capacity_counts_whole_workers_per_node(monkeypatch: pytest.MonkeyPatch) -> None:
-    from recovery.runtime import ray_group
+    from recovery.groups import ray_group
     from recovery.worker import StageWorker
 
     nodes = [{"Alive": True, "Resources": {"CPU": 3.0}}, {"Alive": True, "Resources": {"CPU": 1.0}}]

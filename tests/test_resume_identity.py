@@ -12,8 +12,8 @@ import torch
 
 from parallelism import Topology
 from recovery import RecoveryPolicy
-from recovery.chaos import differences
-from recovery.identity import describe, job_identity
+from recovery.reference import differences
+from recovery.snapshots.identity import describe, job_identity
 from recovery.worker import StageWorker
 from tests.jobs import drive, make
 from tests.workloads import adamw, mlp_spec, regression_batches, relu_stage

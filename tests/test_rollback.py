@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def uninterrupted() -> FitResult:
-    from recovery.ray_env import connect
+    from recovery.groups.ray_env import connect
 
     connect()
     return Trainer(tiny_llama(), topology=TOPOLOGY).fit(STEPS)

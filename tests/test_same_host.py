@@ -1,7 +1,8 @@
-"""State transfer between workers on one host, copied out of the sender's memory ([Note:
-same-host transfer] in recovery/same_host.py): the same bits as over Gloo, a fallback to
+"""`SameHostTransport`: state copied out of the sender's memory on one host ([Note: same-host
+transfer] in recovery/transport/same_host.py): the same bits as over Gloo, a fallback to
 Gloo across hosts or where the kernel refuses, a clean communication error when the
-sender is gone or the offer does not fit, and a source killed mid-transfer retried."""
+sender is gone or the offer does not fit, and a source killed mid-transfer retried. What
+every transport must do is in tests/test_transport.py."""
 
 from __future__ import annotations
 
@@ -18,12 +19,18 @@ import pytest
 import torch
 
 from parallelism import Topology
-from recovery import same_host, transfer
 from recovery.errors import TransferCorrupted
-from recovery.fingerprint import digest
+from recovery.integrity.fingerprint import digest
 from recovery.runtime import Phase
 from recovery.state import Progress, WorkerState
-from recovery.transfer import DigestsAhead, recv_state, send_state
+from recovery.transport import (
+    DigestsAhead,
+    ProcessGroupTransport,
+    SameHostTransport,
+    StateTransport,
+    process_group,
+    same_host,
+)
 from recovery.worker.reports import is_comm_error
 from tests.jobs import drive, in_threads, make
 from tests.test_comm import _pair
@@ -37,6 +44,12 @@ pytestmark = pytest.mark.skipif(
 
 
 PROGRESS = Progress(7)
+
+
+def _way(local: bool) -> type[StateTransport]:
+    """The sender's transport: an offer of its memory (``local``), or the process group.
+    A receiver is always a `SameHostTransport`, which takes either, as a worker's is."""
+    return SameHostTransport if local else ProcessGroupTransport
 
 
 def _state(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -68,10 +81,10 @@ def _transfer(local: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]
     try:
         sent, (progress, nbytes) = in_threads(
             [
-                lambda: send_state(
-                    comms[0], 1, WorkerState(module, optimizer, PROGRESS), local=local
+                lambda: _way(local)(comms[0]).send(1, WorkerState(module, optimizer, PROGRESS)),
+                lambda: SameHostTransport(comms[1]).recv(
+                    0, WorkerState(other, other_opt, Progress())
                 ),
-                lambda: recv_state(comms[1], 0, WorkerState(other, other_opt, Progress())),
             ]
         )
     finally:
@@ -328,7 +341,7 @@ def test_a_pipelined_read_the_kernel_refuses_falls_back(monkeypatch: pytest.Monk
 def test_a_transfer_in_batches_gives_the_same_bits_as_gloo(
     taken: list[bool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Through send_state/recv_state with every tensor a batch of its own, read in small
+    """Through a `SameHostTransport` with every tensor a batch of its own, read in small
     pieces: the digests taken as they land and the sender's check the same bits."""
     monkeypatch.setattr(same_host, "BATCH_BYTES", 1)
     monkeypatch.setattr(same_host, "CHUNK_BYTES", 100)
@@ -362,10 +375,12 @@ def _send_with(
     try:
         results = in_threads(
             [
-                lambda: send_state(
-                    comms[0], 1, WorkerState(module, optimizer, PROGRESS), local=local, ahead=ahead
+                lambda: _way(local)(comms[0]).send(
+                    1, WorkerState(module, optimizer, PROGRESS), ahead=ahead
                 ),
-                lambda: recv_state(comms[1], 0, WorkerState(other, other_opt, Progress())),
+                lambda: SameHostTransport(comms[1]).recv(
+                    0, WorkerState(other, other_opt, Progress())
+                ),
             ]
         )
     finally:
@@ -381,14 +396,14 @@ def _send_with(
 def hashed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """How many tensors the sender hashed (outside `DigestsAhead`'s helper thread)."""
     counts: list[int] = []
-    real = transfer._digests
+    real = process_group._digests
 
     def spy(names: list[str], tensors: list[torch.Tensor]) -> list[list[str]]:
         if threading.current_thread().name != "checkfree-digests":
             counts.append(len(tensors))
         return real(names, tensors)
 
-    monkeypatch.setattr(transfer, "_digests", spy)
+    monkeypatch.setattr(process_group, "_digests", spy)
     return counts
 
 

@@ -1,10 +1,11 @@
 """Silent data corruption: a flipped bit is found by the replicas' fingerprint vote and the
 job ends exactly where a run that was never corrupted ends.
 
-[Note: fingerprint vote] in recovery/vote.py. The pure vote and its plan are property-
-tested first; then whole jobs over the thread group with a `BitFlip` drawn by hypothesis
-(step, worker, point, seed -- the seed picks the tensor, element and bit -- and K): with
-three replicas the odd one out is named and rebuilt, with two the job rolls back; a flip
+[Note: fingerprint vote] in recovery/integrity/fingerprint_vote.py. The pure vote and its
+plan (`recovery.planner.corruption_plan`) are property-tested first; then whole jobs over
+the thread group with a `BitFlip` drawn by hypothesis (step, worker, point, seed -- the
+seed picks the tensor, element and bit -- and K): with three replicas the odd one out is
+named and rebuilt, with two the job rolls back; a flip
 that no check sees is shown to have been rounded away before it. The checked transfers
 get the same treatment (kill step and point, victim, which source the bad link is on,
 seed). The oracle is an uninterrupted run, model and optimizer state bit for bit.
@@ -22,12 +23,12 @@ from hypothesis import strategies as st
 from parallelism import Topology
 from recovery import BitFlip, FailureSchedule, Kill, KillPoint, RecoveryPolicy
 from recovery.errors import RedundancyExhausted
-from recovery.fingerprint import fingerprint, flip_bit, state_tensors
+from recovery.integrity.fingerprint import fingerprint, flip_bit, state_tensors
+from recovery.integrity.fingerprint_vote import can_vote, vote
 from recovery.names import Strategy
-from recovery.planner import Redundancy
+from recovery.planner import Redundancy, corruption_plan
 from recovery.snapshots import PackedState, pack_state
 from recovery.state import Progress, WorkerState
-from recovery.vote import can_vote, corruption_plan, vote
 from tests.jobs import drive, make
 from tests.workloads import mlp_spec
 
@@ -372,7 +373,7 @@ def test_fingerprints_need_replicas_and_a_replicated_layout() -> None:
         RecoveryPolicy(fingerprint_every=-1)
 
 
-# -- checked transfers and snapshots (see [Note: checked transfers] in recovery/transfer.py)
+# -- checked transfers and snapshots ([Note: checked transfers] in transport/process_group.py)
 
 
 def test_a_transfer_corrupted_in_flight_is_retried_from_another_replica_and_ends_exact(

@@ -20,9 +20,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from parallelism.topology import Topology
-from recovery.checkpoint import checkpoint_path, step_path
 from recovery.errors import RecoveryError, SnapshotCorrupted
-from recovery.placement import place
+from recovery.groups.placement import place
 from recovery.snapshots import (
     COMPLETE,
     MANIFEST,
@@ -35,6 +34,7 @@ from recovery.snapshots import (
     peer_rollback_step,
     unpack_state,
 )
+from recovery.snapshots.checkpoint import checkpoint_path, step_path
 from recovery.state import Progress, WorkerState
 
 # DCP warns on every single-process save and load, which is what the durable tier does.
@@ -61,7 +61,7 @@ def train(module: nn.Module, optimizer: torch.optim.Optimizer, steps: int, seed:
             module.seen += 1
 
 
-def snapshot(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, object]:
+def state_copy(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, object]:
     """A deep copy of a worker's state, to compare against later."""
     return {
         "model": {k: v.clone() for k, v in module.state_dict().items()},
@@ -132,11 +132,11 @@ def test_durable_round_trip_is_bit_exact_and_training_continues_identically(
         original_module, original_opt = trained(rank, steps=3)
         module, optimizer = make_worker(100 + rank)  # fresh weights, no optimizer state
         assert store.load(3, rank, ws(module, optimizer)).step == 3
-        assert_same(snapshot(original_module, original_opt), snapshot(module, optimizer))
+        assert_same(state_copy(original_module, original_opt), state_copy(module, optimizer))
         # the oracle of exact recovery: one more step gives the same state as never failing
         train(original_module, original_opt, 1, seed=7)
         train(module, optimizer, 1, seed=7)
-        assert_same(snapshot(original_module, original_opt), snapshot(module, optimizer))
+        assert_same(state_copy(original_module, original_opt), state_copy(module, optimizer))
     manifest = json.loads((checkpoint_path(store.root, 3, 1) / MANIFEST).read_text())
     assert manifest["step"] == 3 and manifest["rank"] == 1 and manifest["info"] == {"rank": 1}
     assert set(manifest["files"]) == {".metadata", data_file(store.root, 3, 1).name}
@@ -156,11 +156,11 @@ def test_a_flipped_byte_is_detected_and_the_previous_snapshot_is_used(
     assert len(problems) == 1 and str(victim) in problems[0] and "sha256" in problems[0]
     assert store.verify(4, 2, checksums=False) == []  # same size: only checksums see it
     module, optimizer = make_worker(9)
-    before = snapshot(module, optimizer)
+    before = state_copy(module, optimizer)
     with pytest.raises(SnapshotCorrupted, match=victim.name) as info:
         store.load(4, 1, ws(module, optimizer))
     assert isinstance(info.value, RecoveryError)
-    assert_same(before, snapshot(module, optimizer))  # nothing was loaded
+    assert_same(before, state_copy(module, optimizer))  # nothing was loaded
     assert store.load(4, 0, ws(module, optimizer)).step == 4  # the other rank's files are fine
     assert store.newest_intact(2) == 2
     assert store.load(2, 1, ws(module, optimizer)).step == 2
@@ -272,7 +272,7 @@ def test_async_write_does_not_block_and_snapshots_the_state_at_the_call(
     module = nn.Sequential(nn.Linear(1280, 1280), nn.Linear(1280, 1280))
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
     train(module, optimizer, 1, seed=0)
-    expected = snapshot(module, optimizer)
+    expected = state_copy(module, optimizer)
     handle = store.write(0, ws(module, optimizer, 1))
     train(module, optimizer, 1, seed=1)  # training goes on while the write runs
     assert len(store.pending()) <= 1
@@ -288,7 +288,7 @@ def test_async_write_does_not_block_and_snapshots_the_state_at_the_call(
     fresh = nn.Sequential(nn.Linear(1280, 1280), nn.Linear(1280, 1280))
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
     store.load(1, 0, ws(fresh, fresh_opt))
-    assert_same(expected, snapshot(fresh, fresh_opt))  # not the state after the later step
+    assert_same(expected, state_copy(fresh, fresh_opt))  # not the state after the later step
     # at most one write per rank in flight: the next waits for the previous
     first = store.write(0, ws(module, optimizer, 2))
     second = store.write(0, ws(module, optimizer, 3))
@@ -314,7 +314,7 @@ def test_bad_arguments_are_rejected(store: DurableStore) -> None:
 
 def test_pack_unpack_is_bit_exact_and_shares_no_memory() -> None:
     module, optimizer = trained(0, steps=3)
-    expected = snapshot(module, optimizer)
+    expected = state_copy(module, optimizer)
     packed = pack_state(ws(module, optimizer, 3))
     assert packed.data.dtype == torch.uint8 and packed.data.dim() == 1
     train(module, optimizer, 2, seed=5)  # the copy was taken: later steps do not leak in
@@ -323,26 +323,26 @@ def test_pack_unpack_is_bit_exact_and_shares_no_memory() -> None:
     received = type(packed).from_parts(packed.header(), packed.data.clone())
     fresh, fresh_opt = make_worker(42)
     assert unpack_state(received, ws(fresh, fresh_opt)).step == 3
-    assert_same(expected, snapshot(fresh, fresh_opt))
+    assert_same(expected, state_copy(fresh, fresh_opt))
     assert fresh_opt.state_dict()["state"][0]["step"] == torch.tensor(3.0)
 
     train(fresh, fresh_opt, 2, seed=5)  # training after unpacking leaves the snapshot alone
     again, again_opt = make_worker(43)
     unpack_state(received, ws(again, again_opt))
-    assert_same(expected, snapshot(again, again_opt))
-    assert_same(snapshot(module, optimizer), snapshot(fresh, fresh_opt))  # same continuation
+    assert_same(expected, state_copy(again, again_opt))
+    assert_same(state_copy(module, optimizer), state_copy(fresh, fresh_opt))  # same continuation
 
 
 def test_pack_reuses_a_spent_buffer() -> None:
     module, optimizer = trained(0, steps=3)
     old = pack_state(ws(module, optimizer, 3))
     train(module, optimizer, 1, seed=9)
-    expected = snapshot(module, optimizer)
+    expected = state_copy(module, optimizer)
     packed = pack_state(ws(module, optimizer, 4), out=old.data)
     assert packed.data.data_ptr() == old.data.data_ptr()
     fresh, fresh_opt = make_worker(1)
     assert unpack_state(packed, ws(fresh, fresh_opt)).step == 4
-    assert_same(expected, snapshot(fresh, fresh_opt))
+    assert_same(expected, state_copy(fresh, fresh_opt))
     small = torch.empty(8, dtype=torch.uint8)
     assert pack_state(ws(module, optimizer, 4), out=small).data.data_ptr() != small.data_ptr()
 
@@ -397,7 +397,7 @@ def test_a_gpu_state_is_packed_asynchronously_into_pinned_memory() -> None:
     module, optimizer = trained(0, steps=3)
     module.cuda()
     optimizer.load_state_dict(optimizer.state_dict())  # moves the moments to the GPU
-    expected = snapshot(module, optimizer)
+    expected = state_copy(module, optimizer)
     packed = pack_state(ws(module, optimizer, 3))
     assert packed.data.is_pinned() and packed.ready is not None
     with torch.no_grad():  # queued after the copies: cannot leak into them
@@ -406,17 +406,17 @@ def test_a_gpu_state_is_packed_asynchronously_into_pinned_memory() -> None:
     fresh, fresh_opt = make_worker(42)
     fresh.cuda()
     unpack_state(packed, ws(fresh, fresh_opt))
-    assert_same(expected, snapshot(fresh, fresh_opt))
+    assert_same(expected, state_copy(fresh, fresh_opt))
 
 
 def test_unpack_refuses_another_stage_before_changing_anything() -> None:
     packed = pack_state(ws(*trained(0), 3))
     other = nn.Sequential(nn.Linear(8, 8))
     other_opt = torch.optim.AdamW(other.parameters())
-    before = snapshot(other, other_opt)
+    before = state_copy(other, other_opt)
     with pytest.raises(ValueError, match="does not match this module"):
         unpack_state(packed, ws(other, other_opt))
-    assert_same(before, snapshot(other, other_opt))
+    assert_same(before, state_copy(other, other_opt))
     with pytest.raises(ValueError, match="uint8"):
         type(packed).from_parts(packed.header(), packed.data[:10])
 
@@ -601,7 +601,7 @@ def test_a_ring_of_peer_snapshots_rolls_everyone_back_exactly() -> None:
             if step < 30 or rank in (0, 1):  # the exchange of step 30 is cut short
                 stores[mapping[rank]].put(step, rank, packed)  # its buddy's copy
             if step == 20:
-                expected[rank] = snapshot(module, optimizer)
+                expected[rank] = state_copy(module, optimizer)
     dead = set(top.stage_group(0))
     alive = set(workers) - dead
     own = {r: set(stores[r].steps(rank=r)) for r in alive}
@@ -616,7 +616,7 @@ def test_a_ring_of_peer_snapshots_rolls_everyone_back_exactly() -> None:
             source = stores[mapping[rank]].get(step, rank)
         module, optimizer = make_worker(1000 + rank)
         assert unpack_state(source, ws(module, optimizer)).step == 20
-        assert_same(expected[rank], snapshot(module, optimizer))
+        assert_same(expected[rank], state_copy(module, optimizer))
     for s in stores.values():
         s.discard_after(step)
         assert max(s.steps(), default=0) <= 20

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import ray
 
-from recovery.runtime.ray_group import RayWorkerGroup
+from recovery.groups.ray_group import RayWorkerGroup
 from tests.test_worker_group import _ray_group
 from tests.workloads import EchoWorker
 

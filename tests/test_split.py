@@ -156,7 +156,7 @@ def no_workers(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(Membership, "start", refuse)
     monkeypatch.setattr(Membership, "start_job", refuse)
-    monkeypatch.setattr("recovery.runtime.ray_group.connect", refuse)
+    monkeypatch.setattr("recovery.groups.ray_group.connect", refuse)
 
 
 @pytest.mark.parametrize(

@@ -17,10 +17,10 @@ import torch.distributed as dist
 from parallelism.engine import StepStats
 from parallelism.topology import Topology
 from recovery.faults import FailureSchedule
+from recovery.faults.injection import InjectedFaults
+from recovery.groups.group import Call, CallResults, Warmup, WorkerGroup, WorkerLost
 from recovery.names import FailureCause
 from recovery.policy import RecoveryPolicy
-from recovery.runtime.group import Call, CallResults, Warmup, WorkerGroup, WorkerLost
-from recovery.runtime.injection import InjectedFaults
 from recovery.runtime.steps import BATCH_STEPS, Committed, Failed, StepRunner
 from recovery.worker import StepReport, WorkerInfo
 from tests.workloads import mlp_spec

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from recovery.runtime import ThreadWorkerGroup, WorkerGroup, WorkerLost
+from recovery.groups import ThreadWorkerGroup, WorkerGroup, WorkerLost
 from tests.workloads import EchoWorker
 
 
@@ -16,8 +16,8 @@ def _thread_group() -> WorkerGroup:
 
 
 def _ray_group() -> WorkerGroup:
-    from recovery.ray_env import connect
-    from recovery.runtime.ray_group import RayWorkerGroup
+    from recovery.groups.ray_env import connect
+    from recovery.groups.ray_group import RayWorkerGroup
 
     connect()
     return RayWorkerGroup(EchoWorker)

@@ -5,7 +5,8 @@ Each path gets a state with every field set -- trained parameters, BatchNorm buf
 moved, AdamW moments, a step and a CheckFree rebuild's mark -- and a blank worker to fill,
 and the test checks each field of `recovery.state.FIELDS` arrived. A field added to
 `Progress` needs one sample value in `SAMPLES` (a test checks that), and is then checked on
-every path at once.
+every path at once. The live transfers between workers are checked the same way, with
+these fixtures, over every `StateTransport` in tests/test_transport.py.
 """
 
 from __future__ import annotations
@@ -19,18 +20,13 @@ import pytest
 import torch
 from torch import nn
 
-from parallelism import Topology
 from parallelism.buffers import persistent_buffers
-from recovery import same_host
-from recovery.chaos import differences
-from recovery.checkpoint import load_checkpoint, save_checkpoint
-from recovery.fingerprint import fingerprint
+from recovery.integrity.fingerprint import fingerprint
+from recovery.reference import differences
 from recovery.snapshots import DurableStore, PackedState, pack_state, unpack_state
+from recovery.snapshots.checkpoint import load_checkpoint, save_checkpoint
 from recovery.state import FIELDS, Progress, Rebuild, WorkerState, state_to_cpu
-from recovery.transfer import recv_state, send_state
 from recovery.wire import decode, encode
-from tests.jobs import in_threads
-from tests.test_comm import _pair
 
 SAMPLES: dict[str, Any] = {"step": 7, "rebuild": Rebuild(5, 1.1, 20, 2)}
 """A value for each field of `Progress` other than its default."""
@@ -80,27 +76,6 @@ def fields_of(state: WorkerState) -> dict[str, Any]:
 # -- the paths ---------------------------------------------------------------------------
 
 
-def _over_gloo(local: bool) -> Callable[[WorkerState, WorkerState, Path], Progress]:
-    def path(src: WorkerState, dst: WorkerState, tmp: Path) -> Progress:
-        comms = _pair(Topology(2, 1))
-        try:
-            sent, got = in_threads(
-                [
-                    lambda: send_state(comms[0], 1, src, local=local),
-                    lambda: recv_state(comms[1], 0, dst),
-                ]
-            )
-        finally:
-            for comm in comms:
-                comm.close()
-        assert not isinstance(got, BaseException), got
-        progress, received = got
-        assert received == sent
-        return progress  # type: ignore[no-any-return]
-
-    return path
-
-
 def _peer_snapshot(src: WorkerState, dst: WorkerState, tmp: Path) -> Progress:
     packed = pack_state(src, digests=True)
     arrived = PackedState.from_parts(packed.header(), packed.data.clone())  # over the wire
@@ -132,8 +107,6 @@ def _final_states(src: WorkerState, dst: WorkerState, tmp: Path) -> Progress:
 
 
 PATHS: dict[str, Callable[[WorkerState, WorkerState, Path], Progress]] = {
-    "live transfer": _over_gloo(local=False),
-    "same-host transfer": _over_gloo(local=True),
     "peer snapshot": _peer_snapshot,
     "durable snapshot and resume": _durable_snapshot,
     "restart checkpoint": _restart_checkpoint,
@@ -149,8 +122,6 @@ def test_every_field_of_progress_has_a_sample() -> None:
 
 @pytest.mark.parametrize("name", list(PATHS))
 def test_every_path_carries_every_field(name: str, tmp_path: Path) -> None:
-    if name == "same-host transfer" and not same_host.usable():
-        pytest.skip("this kernel does not allow process_vm_readv")
     src, dst = source(), blank()
     want = fields_of(src)
     assert differences(fields_of(dst), want), "the blank worker must differ in every field"

@@ -44,7 +44,7 @@ def zero_llama() -> object:
 
 @pytest.fixture(scope="module")
 def zero_oracle() -> FitResult:
-    from recovery.ray_env import connect
+    from recovery.groups.ray_env import connect
 
     connect()
     return Trainer(zero_llama(), topology=Topology(2, 3)).fit(STEPS)  # type: ignore[arg-type]

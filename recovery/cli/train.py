@@ -27,7 +27,7 @@ from parallelism import Topology
 from recovery import Trainer, TrainSpec
 from recovery.events import summary_table
 from recovery.faults import FailureSchedule, Kill, KillPoint
-from recovery.fingerprint import RECOMMENDED_FINGERPRINT_EVERY
+from recovery.integrity.fingerprint import RECOMMENDED_FINGERPRINT_EVERY
 from recovery.names import Mode
 from recovery.policy import MODES, RecoveryPolicy
 from recovery.rundir import RunDir

@@ -1,8 +1,8 @@
 """The runtime: a small controller phase machine over interfaces.
 
 - `controller`: `Controller`, the phase machine (`Phase`, one-transition `advance`).
-- `group`: `WorkerGroup`, the workers as the controller sees them; `ray_group` (Ray
-  actors) and `thread_group` (threads of this process, for tests) implement it.
+- `membership`: placement, lost nodes, spares, survivors leaving, generations on the store.
+- `elastic`: shrinking past a lost replica and growing back ([Note: elastic shrink]).
 - `detection`: await a step, abort everyone at the first failure, find hangs.
 - `ledger`: what redundancy exists; produces the planner's `Redundancy`.
 - `persistence`: when snapshots and checkpoints are taken; resuming after a driver death.
@@ -12,18 +12,11 @@
 """
 
 from recovery.runtime.controller import Controller, ControllerConfig, Phase
-from recovery.runtime.group import Call, CallResults, WorkerGroup, WorkerLost
 from recovery.runtime.records import StepRecord
-from recovery.runtime.thread_group import ThreadWorkerGroup
 
 __all__ = [
-    "Call",
-    "CallResults",
     "Controller",
     "ControllerConfig",
     "Phase",
     "StepRecord",
-    "ThreadWorkerGroup",
-    "WorkerGroup",
-    "WorkerLost",
 ]

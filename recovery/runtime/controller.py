@@ -84,8 +84,10 @@ from recovery.errors import (
 )
 from recovery.events import RecoveryEvent
 from recovery.faults import FailureSchedule
+from recovery.faults.injection import InjectedFaults
+from recovery.groups.group import WorkerGroup
 from recovery.names import FailureCause, Strategy
-from recovery.planner import RecoveryPlan, Redundancy, plan
+from recovery.planner import RecoveryPlan, Redundancy, corruption_plan, plan
 from recovery.policy import RecoveryPolicy
 from recovery.runtime.decisions import (
     MAX_INTERRUPTIONS,
@@ -100,8 +102,6 @@ from recovery.runtime.decisions import (
 )
 from recovery.runtime.elastic import grow_plan
 from recovery.runtime.executor import execute_or_fall_back
-from recovery.runtime.group import WorkerGroup
-from recovery.runtime.injection import InjectedFaults
 from recovery.runtime.layouts import StateLayout, layout_for
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.runtime.membership import Membership
@@ -126,7 +126,6 @@ from recovery.runtime.states import (
 )
 from recovery.runtime.steps import Failed, StepRunner
 from recovery.spec import TrainSpec
-from recovery.vote import corruption_plan
 from recovery.worker import WorkerInfo
 
 __all__ = ["MAX_INTERRUPTIONS", "Controller", "ControllerConfig", "Phase"]
@@ -154,12 +153,12 @@ class ControllerConfig:
     """Extra Ray actor options for every worker (`RayWorkerGroup` only)."""
     worker_resources: dict[str, float] | None = None
     """What each worker and hot spare asks Ray for (`Trainer(worker_resources=...)`; see
-    recovery/resources.py); None: the default. `RayWorkerGroup` only."""
+    recovery/groups/resources.py); None: the default. `RayWorkerGroup` only."""
 
 
 def _ray_group(layout: StateLayout, config: ControllerConfig) -> WorkerGroup:
     """The default group: Ray actors (Ray is imported only when it is used)."""
-    from recovery.runtime.ray_group import RayWorkerGroup
+    from recovery.groups.ray_group import RayWorkerGroup
 
     return RayWorkerGroup.connect(
         layout.worker_cls,
@@ -260,7 +259,7 @@ class Controller:
     @property
     def verified(self) -> int:
         """The newest step whose fingerprints agreed in every stage group (see [Note:
-        fingerprint vote] in recovery/vote.py)."""
+        fingerprint vote] in recovery/integrity/fingerprint_vote.py)."""
         return self.runner.verified if self.runner is not None else 0
 
     @property
@@ -532,7 +531,7 @@ class Controller:
         alive: dict[int, int],
         assessed: dict[int, dict[str, int]],
     ) -> RecoveryPlan:
-        """The planner's decision on what survives (recovery/planner.py, recovery/vote.py)."""
+        """The planner's decision on what survives (recovery/planner.py, recovery/integrity/fingerprint_vote.py)."""
         redundancy = self.layout.redundancy(self.ledger, alive, assessed)
         return plan_recovery(self.topology, self.policy, failure, lost, redundancy, self.verified)
 

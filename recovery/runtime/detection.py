@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from recovery.groups.group import Call, CallResults, WorkerGroup, WorkerLost, seconds
 from recovery.names import FailureCause
-from recovery.runtime.group import Call, CallResults, WorkerGroup, WorkerLost, seconds
 from recovery.runtime.records import Failure
 from recovery.worker import StageWorker, StepReport
 

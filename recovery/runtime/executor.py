@@ -7,7 +7,7 @@ target while another target receives from a third worker over the same process g
 Rollback and the restart baseline restore every worker and have a function of their own.
 The executor decides nothing: what moves where is the planner's. Every receive checks
 what arrived against the sender's digests (see [Note: checked transfers] in
-recovery/transfer.py); a corrupted arrival is never used: `execute` raises
+recovery/transport/process_group.py); a corrupted arrival is never used: `execute` raises
 `TransferCorrupted` once every call has returned, and `execute_or_fall_back` books the
 source (or the snapshot copy) as untrusted and carries out the plan made without it.
 """
@@ -22,11 +22,11 @@ from typing import Any
 
 from parallelism.topology import Topology
 from recovery.errors import RedundancyExhausted, SnapshotCorrupted, TransferCorrupted
+from recovery.groups.group import Call, WorkerGroup, require
 from recovery.names import Strategy, Tier
 from recovery.planner import RecoveryAction, RecoveryPlan
 from recovery.policy import RecoveryPolicy
 from recovery.runtime.detection import settle
-from recovery.runtime.group import Call, WorkerGroup, require
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.snapshots import DurableStore
 from recovery.spec import TrainSpec

@@ -17,15 +17,15 @@ from datetime import timedelta
 from typing import Any
 
 from parallelism.topology import Topology
+from recovery.groups.group import WorkerGroup, require
 from recovery.names import Strategy
 from recovery.planner import RecoveryPlan, Redundancy
 from recovery.policy import RecoveryPolicy
-from recovery.runtime.group import WorkerGroup, require
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.spec import TrainSpec
 from recovery.strategies.pls import PLSLedger
-from recovery.table_worker import TableWorker
 from recovery.worker import StageWorker
+from recovery.worker.table import TableWorker
 
 __all__ = ["ReplicatedStages", "ShardedTables", "StateLayout", "Zero1Shards", "layout_for"]
 
@@ -267,7 +267,7 @@ class Zero1Shards(StateLayout):
 class ShardedTables(StateLayout):
     """Row-sharded embedding tables (`TrainSpec.dlrm`): every worker holds one shard of
     every table and a dense replica; each shard is mirrored on its ring buddy, and a lost
-    shard comes back from the mirror, exact or partial (CPR). See recovery/table_worker.py."""
+    shard comes back from the mirror, exact or partial (CPR). See recovery/worker/table.py."""
 
     worker_cls = TableWorker
     mirrors_on_ring = True

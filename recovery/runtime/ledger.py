@@ -37,7 +37,7 @@ class RedundancyLedger:
     (embedding tables) of its shard mirror."""
     untrusted: set[int] = field(default_factory=set)
     """Live ranks whose state arrived corrupted at a receiver in the recovery under way: no
-    source of it any more (see [Note: checked transfers] in recovery/transfer.py)."""
+    source of it any more (see [Note: checked transfers] in recovery/transport/process_group.py)."""
     corrupted: list[tuple[int, int, tuple[str, ...], int | None]] = field(default_factory=list)
     """What arrived corrupted in the recovery under way, for its event: ``(target, source,
     tensors, snapshot step or None for a live state)``."""

@@ -18,11 +18,11 @@ from typing import Any
 from parallelism.comm import Rendezvous, host_store
 from parallelism.topology import Topology
 from recovery.errors import PlacementFailed
-from recovery.placement import place, replacement_node
+from recovery.groups.group import WorkerGroup, require, seconds
+from recovery.groups.placement import place, replacement_node
 from recovery.policy import RecoveryPolicy
 from recovery.runtime.detection import abort_pending, settle
 from recovery.runtime.elastic import shares
-from recovery.runtime.group import WorkerGroup, require, seconds
 from recovery.runtime.layouts import StateLayout
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.snapshots import buddies

@@ -18,13 +18,13 @@ from typing import Any
 
 from parallelism.topology import Topology
 from recovery.errors import RecoveryError, SnapshotCorrupted
-from recovery.identity import job_identity
+from recovery.groups.group import WorkerGroup, WorkerMethod, require
 from recovery.names import Mode
 from recovery.policy import RecoveryPolicy
 from recovery.runtime.executor import Restore
-from recovery.runtime.group import WorkerGroup, WorkerMethod, require
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.snapshots import DurableStore
+from recovery.snapshots.identity import job_identity
 from recovery.spec import TrainSpec
 from recovery.worker import StageWorker, StepReport
 
@@ -73,7 +73,8 @@ class Persistence:
 
     def meta(self) -> dict[str, Any]:
         """What identifies this job in a durable snapshot: a re-run must match it to resume
-        (the model, optimizer, data, schedule and loss as `recovery.identity` describes them)."""
+        (the model, optimizer, data, schedule and loss as `recovery.snapshots.identity`
+        describes them)."""
         if self._identity is None:
             self._identity = job_identity(self.spec)
         return {
@@ -234,7 +235,7 @@ class Persistence:
     def initial_snapshot(self, step: int) -> None:
         """A peer snapshot of the state training starts from (``step``), when fingerprints
         are checked: a corruption found before the first scheduled snapshot can then roll
-        back to it (see [Note: fingerprint vote] in recovery/vote.py)."""
+        back to it (see [Note: fingerprint vote] in recovery/integrity/fingerprint_vote.py)."""
         if self.policy.snapshots.peer_every and self.topology.world_size > 1:
             hang = self.policy.timeouts.hang
             self._all(

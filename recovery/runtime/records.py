@@ -13,9 +13,9 @@ from typing import Any
 from parallelism.topology import Topology
 from recovery.errors import RecoveryInterrupted
 from recovery.events import RecoveryEvent
+from recovery.integrity.fingerprint_vote import Verdict
 from recovery.names import FailureCause
 from recovery.planner import RecoveryPlan
-from recovery.vote import Verdict
 from recovery.worker import StepReport
 
 __all__ = ["Failure", "PendingEvent", "StepRecord", "recovery_event", "step_record"]

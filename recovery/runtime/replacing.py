@@ -14,11 +14,11 @@ from collections.abc import Collection
 
 from parallelism.topology import Topology
 from recovery.errors import PlacementFailed
+from recovery.groups.group import WorkerGroup
 from recovery.names import Strategy
 from recovery.policy import RecoveryPolicy
 from recovery.runtime.decisions import Replace, replacement
 from recovery.runtime.elastic import shrink_plan, shrinkable
-from recovery.runtime.group import WorkerGroup
 from recovery.runtime.membership import Membership
 from recovery.runtime.states import Recovery
 

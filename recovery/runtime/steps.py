@@ -68,6 +68,9 @@ from dataclasses import dataclass, field
 from parallelism.topology import Topology
 from recovery.errors import RecoveryInterrupted
 from recovery.events import RecoveryEvent
+from recovery.faults.injection import Armed, InjectedFaults, fault_time
+from recovery.groups.group import Call, WorkerGroup, WorkerLost
+from recovery.integrity.fingerprint_vote import Verdict, can_vote, vote
 from recovery.names import FailureCause
 from recovery.policy import RecoveryPolicy
 from recovery.runtime.detection import (
@@ -77,13 +80,10 @@ from recovery.runtime.detection import (
     failure_of,
     non_finite,
 )
-from recovery.runtime.group import Call, WorkerGroup, WorkerLost
-from recovery.runtime.injection import Armed, InjectedFaults, fault_time
 from recovery.runtime.membership import Membership
 from recovery.runtime.persistence import Persistence
 from recovery.runtime.records import Failure, PendingEvent, StepRecord, step_record
 from recovery.spec import TrainSpec
-from recovery.vote import Verdict, can_vote, vote
 from recovery.worker import StageWorker, StepReport
 
 __all__ = ["BATCH_S", "BATCH_STEPS", "Committed", "Failed", "StepRunner"]
@@ -173,7 +173,7 @@ class StepRunner:
         """The next step to run: every step before it is committed."""
         self.verified = step
         """The newest step whose fingerprints agreed in every stage group (see [Note:
-        fingerprint vote] in recovery/vote.py): no worker's state was corrupted then."""
+        fingerprint vote] in recovery/integrity/fingerprint_vote.py): no worker's state was corrupted then."""
         self.target = step
         """Run up to here (`advance`'s argument)."""
         self.started_at = started_at
@@ -580,7 +580,7 @@ class StepRunner:
 def fingerprint_due(policy: RecoveryPolicy, step: int) -> bool:
     """Whether the workers fingerprint their state at ``step``: every ``fingerprint_every``
     steps, and at every snapshot step, so that the newest snapshot known clean is always one
-    the workers still keep (see [Note: fingerprint vote] in recovery/vote.py)."""
+    the workers still keep (see [Note: fingerprint vote] in recovery/integrity/fingerprint_vote.py)."""
     every = policy.fingerprint_every or 0
     if every <= 0:
         return False

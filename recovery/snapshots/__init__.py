@@ -1,4 +1,16 @@
-"""Snapshots for the ``rollback`` strategy, in two tiers: peer memory and durable files.
+"""Snapshots: the copies of every worker's state a rollback, a restart or a resume comes back to.
+
+- ``peer``: `PeerSnapshots`, the copies a worker holds for its buddy; `peer_rollback_step`.
+- ``packing``: `pack_state` / `unpack_state`, a worker state as one byte tensor, checksummed.
+- ``buddies``: the buddy ring (who holds whose peer snapshots).
+- ``durable``: `DurableStore`, asynchronous checksummed DCP writes, commit, load.
+- ``folder``: `SnapshotFolder`, a durable folder's steps (complete, intact, commit, prune).
+- ``checkpoint``: the restart baseline's per-worker checkpoints, and the DCP and atomic-file
+  helpers the durable tier shares.
+- ``identity``: `job_identity`, what a durable snapshot records about the job, so that a
+  re-run only resumes the same job.
+
+Snapshots for the ``rollback`` strategy come in two tiers: peer memory and durable files.
 
 *Peer memory* (`recovery.snapshots.peer`): every ``snapshot_every`` steps each worker
 packs its state into one contiguous byte tensor (`pack_state`, in

@@ -10,7 +10,7 @@ Which steps may be combined is [Note: snapshot consistency] (``recovery/snapshot
 
 What is complete and intact, and commit and clean-up, are the controller's side
 (`SnapshotFolder`, ``recovery/snapshots/folder.py``); this module adds the workers' side:
-writing and loading. Durable layout (``rank_<r>`` as in ``recovery/checkpoint.py``)::
+writing and loading. Durable layout (``rank_<r>`` as in ``recovery/snapshots/checkpoint.py``)::
 
     <root>/step_00000200/rank_0000.tmp/   a write in progress (never read)
     <root>/step_00000200/rank_0000/       .metadata, __0_0.distcp (DCP) + MANIFEST.json
@@ -36,14 +36,14 @@ from typing import Any
 import torch
 
 from parallelism.checks import check_index
-from recovery.checkpoint import (
+from recovery.errors import SnapshotCorrupted
+from recovery.snapshots.checkpoint import (
     checkpoint_path,
     fsync_dir,
     load_worker_state,
     step_path,
     write_json_atomic,
 )
-from recovery.errors import SnapshotCorrupted
 from recovery.snapshots.folder import (
     COMPLETE,
     FORMAT,
@@ -195,7 +195,7 @@ class DurableStore(SnapshotFolder):
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        # Imported where used, as in recovery/checkpoint.py (~0.9 s of every worker start).
+        # Imported where used, as in checkpoint.py (~0.9 s of every worker start).
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict_saver import (
             AsyncCheckpointerType,

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from parallelism.checks import check_index, check_positive_int
-from recovery.checkpoint import checkpoint_path, fsync_dir, step_path, write_json_atomic
 from recovery.errors import SnapshotCorrupted
+from recovery.snapshots.checkpoint import checkpoint_path, fsync_dir, step_path, write_json_atomic
 
 __all__ = ["COMPLETE", "FORMAT", "HASH", "MANIFEST", "SnapshotFolder", "file_digest"]
 

@@ -6,8 +6,9 @@ single allocation that can be reused), `unpack_state` restores it bit for bit. T
 taken before returning, so the optimizer update that follows cannot leak into it (see
 [Note: snapshot consistency] in ``recovery/snapshots/__init__.py``). With ``digests`` it
 also records the fingerprint it was taken with -- a digest of each slot's bytes
-(`recovery.fingerprint.digest`) -- which travels in the header, so that a copy flipped in a
-holder's memory or on the way is found (`PackedState.corrupted`) before it is restored.
+(`recovery.integrity.fingerprint.digest`) -- which travels in the header, so that a copy
+flipped in a holder's memory or on the way is found (`PackedState.corrupted`) before it
+is restored.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from parallelism.comm import GarbledMessage
-from recovery.fingerprint import digest
+from recovery.integrity.fingerprint import digest
 from recovery.state import Progress, WorkerState
 from recovery.wire import decode, encode, record, tensor_spec
 

@@ -1,5 +1,9 @@
 """Recovery strategies as pure functions: how lost state is rebuilt from what survives.
 
+- ``checkfree``: CheckFree's neighbour averaging and CheckFree+'s edge copy.
+- ``embedding``: partial recovery of row-sharded embedding tables (CPR, MFU shard mirrors).
+- ``pls``: the PLS ledger, the portion of lost samples a partial recovery may spend.
+
 `checkfree` holds CheckFree's neighbour averaging and CheckFree+'s edge copy, with their
 ablations, the rebuilt stage's optimizer state and learning rate, and the gradient-norm
 bookkeeping the weights need. The Ray runtime and the in-process simulator both call

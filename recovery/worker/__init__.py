@@ -9,12 +9,19 @@ class `StageWorker`:
 - ``lifecycle``: `WorkerLifecycle`, the base that owns the state every part reads, and
   setup, join and leave a generation, reset, warm.
 - ``snapshots``: peer snapshots, durable snapshots and restart checkpoints, each call a
-  line over the worker's ``keeper.SnapshotKeeper`` (the copies held, the exchange thread,
-  the durable writes in flight).
+  line over the worker's `SnapshotKeeper`.
+- ``keeper``: `SnapshotKeeper`, the snapshots one worker holds (the copies held, the
+  exchange thread, the durable writes in flight).
 - ``transfers``: state moved between workers -- replica copies, ZeRO-1 shards and
   mirrors, CheckFree(+) rebuilds.
 - ``reports``: what a worker answers the controller: `StepReport`, `WorkerInfo`,
   `is_comm_error`.
+- ``callbacks``: the user's callbacks as a worker calls them (`guard_callbacks`).
+- ``memory``: a worker process keeps the memory it has touched, so a recovery writes into
+  warm pages.
+- ``table``: `TableWorker`, a `StageWorker` for row-sharded embedding tables
+  (`TrainSpec.dlrm`): one row shard of every table plus a dense replica. Not imported
+  here; `recovery.runtime.layouts` picks it for such a spec.
 """
 
 from recovery.worker.reports import StepReport, WorkerInfo, is_comm_error

@@ -24,7 +24,7 @@ from parallelism.topology import Topology
 from parallelism.zero import ZeroShard
 from recovery.spec import TrainSpec
 from recovery.state import Progress, WorkerState
-from recovery.transfer import DigestsAhead
+from recovery.transport import DigestsAhead
 from recovery.worker.callbacks import guard_callbacks
 from recovery.worker.keeper import SnapshotKeeper
 from recovery.worker.memory import keep_freed_memory, release_freed_memory
@@ -80,7 +80,7 @@ class WorkerLifecycle:
         to flip in the next state this worker sends (see [Note: checked transfers])."""
         self.digests_ahead: DigestsAhead | None = None
         """The digests of this worker's state, taken after a failure in case it is asked
-        for it (see [Note: digests taken ahead] in recovery/transfer.py)."""
+        for it (see [Note: digests taken ahead] in recovery/transport/process_group.py)."""
 
     # -- state ---------------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ the 100 MB job, the 2-core machine, medians of 40 steps, alternating runs: a ste
 [Note: huge pages for a worker's heap]
 A worker's memory is mostly its state, hundreds of MB in 4 KiB pages, and two things
 walk it page by page: a same-host transfer, whose ``process_vm_readv`` pins the sender's
-pages one at a time ([Note: same-host transfer] in recovery/same_host.py), and a death,
+pages one at a time ([Note: same-host transfer] in recovery/transport/same_host.py), and a death,
 where the kernel frees the whole address space before it closes the dead worker's
 sockets -- so the survivors' "connection reset" comes only after that. Transparent huge
 pages (2 MiB) make both cheaper, but where the kernel gives them only to memory that asks

@@ -52,7 +52,8 @@ class StepReport:
     durable_done: list[int] = field(default_factory=list)
     """Durable snapshot steps whose write finished since the last report."""
     fingerprint: dict[str, str] | None = None
-    """The state's fingerprint (`recovery.fingerprint`), on the steps the policy checks."""
+    """The state's fingerprint (`recovery.integrity.fingerprint`), on the steps the
+    policy checks."""
     committed: bool = False
     """The workers decided the step and this one applied it (see [Note: workers decide the
     commit] in recovery/worker/stage.py)."""

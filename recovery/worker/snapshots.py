@@ -4,7 +4,7 @@
 take a snapshot, to hand one to a replacement, and to roll back to one. Each call is a
 line or two over the worker's `recovery.worker.keeper.SnapshotKeeper`; the tiers are
 described in `recovery.snapshots`, the ``restart`` baseline's checkpoints in
-`recovery.checkpoint`.
+`recovery.snapshots.checkpoint`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from parallelism.engine import StepStats
-from recovery.checkpoint import load_checkpoint, save_checkpoint
 from recovery.snapshots import unpack_state
+from recovery.snapshots.checkpoint import load_checkpoint, save_checkpoint
 from recovery.state import Progress
 from recovery.worker.lifecycle import WorkerLifecycle
 from recovery.worker.reports import StepReport

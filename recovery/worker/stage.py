@@ -62,9 +62,9 @@ from parallelism.buffers import evaluating
 from parallelism.engine import Share, StepStats
 from parallelism.schedule import Schedule
 from recovery.faults import BitFlip, Corrupt, Fault, Kill, KillPoint, WorkerFault
-from recovery.fingerprint import fingerprint, flip_bit
+from recovery.integrity.fingerprint import fingerprint, flip_bit
 from recovery.spec import BatchFn, apply_lr_schedule
-from recovery.transfer import DigestsAhead
+from recovery.transport import DigestsAhead
 from recovery.worker.reports import StepReport, is_comm_error
 from recovery.worker.snapshots import Snapshotting
 from recovery.worker.transfers import StateTransfer
@@ -108,9 +108,9 @@ class StageWorker(Snapshotting, StateTransfer):
         ``faults`` are injected failures to fire at their points of this step or its commit.
         With ``fingerprint``, the report carries the fingerprint of the state this step
         starts from, taken after the all-reduce (see [Note: fingerprint vote] in
-        recovery/vote.py). Returns a failed report (and tears down this generation) on a
-        communication error, and a ``skipped`` one for a step sent ahead whose predecessor
-        this worker did not commit.
+        recovery/integrity/fingerprint_vote.py). Returns a failed report (and tears down
+        this generation) on a communication error, and a ``skipped`` one for a step sent
+        ahead whose predecessor this worker did not commit.
 
         Raises:
             RuntimeError: if ``step`` is not this worker's next step.
@@ -359,7 +359,7 @@ class StageWorker(Snapshotting, StateTransfer):
 
     def _die(self) -> None:
         """An injected kill: a real death, no cleanup, no goodbye (overridden by workers
-        that run as threads, see recovery/runtime/thread_group.py)."""
+        that run as threads, see recovery/groups/thread_group.py)."""
         os.kill(os.getpid(), signal.SIGKILL)
 
     def _hang(self) -> None:
@@ -422,8 +422,9 @@ class StageWorker(Snapshotting, StateTransfer):
 
         ``source``: this worker's stage lost a replica, so it may be asked for its state;
         its digests are taken meanwhile (see [Note: digests taken ahead] in
-        recovery/transfer.py). Returns the committed step and what redundancy this worker
-        holds (peer snapshots, finished durable writes), for the planner.
+        recovery/transport/process_group.py). Returns the committed step and what
+        redundancy this worker holds (peer snapshots, finished durable writes), for the
+        planner.
         """
         self._drop_step()
         self._faults = []

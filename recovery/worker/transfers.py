@@ -3,7 +3,8 @@
 `StateTransfer` is the part of `recovery.worker.StageWorker` that the plan's transfers
 (`recovery.runtime.executor`) call: a whole-state copy from a live replica, the ZeRO-1
 shard and its mirror (see `parallelism/zero.py`), and the CheckFree(+) rebuild of a lost
-stage from its neighbours. The bytes move by `recovery.transfer`; the rebuild's math is
+stage from its neighbours. The bytes move by `recovery.transport` (`SameHostTransport`,
+which falls back to the process group by itself); the rebuild's math is
 `recovery.strategies.checkfree`.
 """
 
@@ -20,14 +21,15 @@ from parallelism.zero import OwnedParams
 from recovery.errors import TransferCorrupted
 from recovery.state import Progress, Rebuild, WorkerState
 from recovery.strategies.checkfree import CheckFreeConfig, load_optimizer_moments, rebuild_stage
-from recovery.transfer import recv_named, recv_state, send_named, send_state
+from recovery.transport import ProcessGroupTransport, SameHostTransport, recv_named, send_named
 from recovery.worker.lifecycle import WorkerLifecycle
 
 __all__ = ["Corruption", "StateTransfer"]
 
 Corruption = dict[int, list[str]]
-"""What a receive found corrupted (see [Note: checked transfers] in recovery/transfer.py):
-source rank -> the tensors whose bytes differ from the sender's digests; empty: intact."""
+"""What a receive found corrupted (see [Note: checked transfers] in
+recovery/transport/process_group.py): source rank -> the tensors whose bytes differ from
+the sender's digests; empty: intact."""
 
 
 class StateTransfer(WorkerLifecycle):
@@ -38,6 +40,13 @@ class StateTransfer(WorkerLifecycle):
     Every receive checks what arrived against the sender's digests and reports a
     corruption (`Corruption`) instead of trusting it.
     """
+
+    def _transport(self) -> SameHostTransport:
+        """How this worker's whole states travel: copied out of the sender's memory between
+        two workers on one host, over the process group otherwise (the transport falls back
+        by itself; see [Note: same-host transfer])."""
+        assert self.comm is not None
+        return SameHostTransport(self.comm)
 
     def _take_flip(self) -> int | None:
         """The injected in-flight bit flip for this send, if one is armed (it fires once)."""
@@ -51,9 +60,8 @@ class StateTransfer(WorkerLifecycle):
         assert self.comm is not None
         ahead, self.digests_ahead = self.digests_ahead, None
         state = self.own_state()
-        return sum(
-            send_state(self.comm, dst, state, flip=self._take_flip(), ahead=ahead) for dst in dsts
-        )
+        transport = self._transport()
+        return sum(transport.send(dst, state, flip=self._take_flip(), ahead=ahead) for dst in dsts)
 
     def recv_state(self, src: int) -> tuple[int, int, Corruption]:
         """Become a copy of rank ``src``'s whole state (a rebuilt stage's mark included: see
@@ -62,7 +70,7 @@ class StateTransfer(WorkerLifecycle):
         assert self.comm is not None
         self.digests_ahead = None  # written behind torch's back (see [Note: digests taken ahead])
         try:
-            self.progress, received = recv_state(self.comm, src, self.own_state())
+            self.progress, received = self._transport().recv(src, self.own_state())
         except TransferCorrupted as exc:
             return self.step, 0, _corruption(exc)
         return self.step, received, {}
@@ -90,7 +98,7 @@ class StateTransfer(WorkerLifecycle):
         assert self.comm is not None and self.zero is not None
         zero = self.zero
         state = self._shard_state(zero.mirror, zero.mirror_optimizer)
-        return send_state(self.comm, dst, state, flip=self._take_flip())
+        return self._transport().send(dst, state, flip=self._take_flip())
 
     def recv_shard(self, src: int) -> tuple[int, int, Corruption]:
         """Take this worker's own shard from its holder's mirror. Returns ``(step, bytes,
@@ -100,7 +108,7 @@ class StateTransfer(WorkerLifecycle):
         self.digests_ahead = None
         try:
             state = self._shard_state(self.zero.owned, self.optimizer)
-            self.progress, received = recv_state(self.comm, src, state)
+            self.progress, received = self._transport().recv(src, state)
         except TransferCorrupted as exc:
             return self.step, 0, _corruption(exc)
         return self.step, received, {}
@@ -116,10 +124,12 @@ class StateTransfer(WorkerLifecycle):
         sent = 0
         if send:
             own = WorkerState(zero.owned, self.optimizer, self.progress)
-            sent = send_state(self.comm, holder, own, wait=False)
+            # Posted, not awaited, so that this worker receives meanwhile: over the process
+            # group (a same-host copy needs its sender to wait for the receiver's answer).
+            sent = ProcessGroupTransport(self.comm).send(holder, own, wait=False)
         if receive:
-            recv_state(
-                self.comm, ward, WorkerState(zero.mirror, zero.mirror_optimizer, self.progress)
+            self._transport().recv(
+                ward, WorkerState(zero.mirror, zero.mirror_optimizer, self.progress)
             )
         self.comm.wait_sends()
         return sent

@@ -34,7 +34,7 @@ from datetime import timedelta
 from typing import Any
 
 from parallelism.seeding import GENERATORS_LOCK, ThreadRandomness
-from recovery.runtime.group import (
+from recovery.groups.group import (
     CONTROL_METHODS,
     Call,
     CallResults,

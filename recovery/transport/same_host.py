@@ -1,4 +1,4 @@
-"""Same-host state transfer: the receiver copies the sender's tensors straight out of its memory.
+"""`SameHostTransport`: the receiver copies the sender's tensors straight out of its memory.
 
 [Note: same-host transfer]
 Over Gloo on one host a state transfer crosses TCP loopback: the kernel copies every byte
@@ -11,13 +11,17 @@ libraries use between ranks on a node: a single copy, no buffer in between), the
 answers over the process group, `TAKEN` -- or `DECLINED` (another host, or a kernel or
 container that does not allow the call), and the tensors follow over Gloo as before.
 What arrives is checked against the sender's digests either way ([Note: checked
-transfers] in recovery/transfer.py).
+transfers] in recovery/transport/process_group.py). `SameHostTransport` is the process-group
+transport with this in place of its tensor sends: it offers whenever it can (Gloo, CPU
+tensors, a sender that waits) and falls back by itself otherwise, so a receiver takes
+either.
 
 Hashing is a third of the work (XXH3 runs at ~28 GB/s on one core, the cross-memory copy
 at ~9), so it is taken off the copy's path on both sides. The sender's digests are
 usually ready before anyone asks: a survivor hashes its state while the replacement
-starts ([Note: digests taken ahead] in recovery/transfer.py), and otherwise it sends its
-offer first and its digests after, hashing while the receiver copies. The receiver reads
+starts ([Note: digests taken ahead] in recovery/transport/process_group.py), and
+otherwise it sends its offer first and its digests after, hashing while the receiver
+copies. The receiver reads
 on helper threads (`READERS`, batches of whole tensors in turn) -- the copy runs in the
 kernel, without the GIL -- `CHUNK_BYTES` at a time, and hashes each piece right after it
 lands, while it is still in the cache, instead of reading a batch out to memory and back.
@@ -59,9 +63,12 @@ from typing import Any
 import torch
 import xxhash
 
-from recovery.fingerprint import raw_bytes
+from parallelism.comm import GarbledMessage
+from recovery.integrity.fingerprint import raw_bytes
+from recovery.transport.process_group import ProcessGroupTransport, check_digests
+from recovery.wire import recv_header, send_header
 
-__all__ = ["DECLINED", "HOST", "TAKEN", "offer", "read_offer"]
+__all__ = ["DECLINED", "HOST", "TAKEN", "SameHostTransport", "offer", "read_offer"]
 
 log = logging.getLogger("checkfree")
 
@@ -140,7 +147,7 @@ def _lost(src: int, why: str) -> ConnectionError:
 
 def read_offer(made: dict[str, Any], targets: Sequence[torch.Tensor], src: int) -> list[str] | None:
     """The receiver's side: copy an offer's tensors into ``targets`` and return the digest
-    of each one's bytes as it landed (`recovery.fingerprint.digest`'s), for the caller to
+    of each one's bytes as it landed (`recovery.integrity.fingerprint.digest`'s), for the caller to
     check against the sender's. Returns None when the copy cannot be made here (another
     host, or the kernel refuses cross-memory reads): the tensors must then come over the
     process group.
@@ -285,3 +292,55 @@ def _read(pid: int, jobs: list[tuple[int, int, int]], src: int) -> bool:
                 jobs[0] = (address + done, size - done, dst + done)
                 done = 0
     return True
+
+
+class SameHostTransport(ProcessGroupTransport):
+    """A worker's state copied out of the sender's memory by a receiver on its host (see
+    [Note: same-host transfer]); over the process group where that cannot be done: another
+    host, a kernel that refuses the read, tensors not on the CPU, NCCL, a send that does
+    not wait. Its receive takes what either way sends."""
+
+    def _post(
+        self,
+        dst: int,
+        meta: dict[str, Any],
+        outgoing: list[torch.Tensor],
+        digests: Callable[[], list[list[str]]],
+        wait: bool,
+    ) -> int:
+        """Offer the tensors; the receiver starts copying at once, and the digests follow
+        once taken, here, while it copies. Returns the bytes of both headers."""
+        made = offer(outgoing) if wait and self.comm.backend == "gloo" else None
+        if made is None:
+            return super()._post(dst, meta, outgoing, digests, wait)
+        meta["same_host"] = made
+        header = send_header(self.comm, dst, meta)
+        header += send_header(self.comm, dst, digests())
+        answer = self.comm.recv(torch.zeros(1, dtype=torch.int64), dst)
+        if int(answer) == TAKEN:  # copied out of our memory: nothing to send
+            self.comm.wait_sends()
+        else:
+            self._post_tensors(dst, outgoing, wait)
+        return header
+
+    def _receive(self, src: int, meta: dict[str, Any], targets: list[torch.Tensor]) -> int:
+        """Fill ``targets`` out of the sender's memory if it offered that and is on this
+        host, else over the process group, and check them against the sender's digests.
+        Returns the bytes of the digests' own header (an offer's come after it).
+
+        Raises:
+            TransferCorrupted: if what arrived differs from the sender's digests.
+        """
+        made = meta.get("same_host")
+        if made is None:
+            return super()._receive(src, meta, targets)
+        if not isinstance(made, dict):
+            raise GarbledMessage(f"a state description from rank {src} with a bad offer")
+        got = read_offer(made, targets, src)  # hashed as they land
+        meta["digests"], size = recv_header(self.comm, src)
+        self.comm.isend(torch.tensor([DECLINED if got is None else TAKEN]), src)
+        self.comm.wait_sends()
+        if got is None:
+            self.comm.recv_many(targets, src)
+        check_digests(meta, targets, src, self.comm.rank, got)
+        return size

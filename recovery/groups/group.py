@@ -33,14 +33,12 @@ from recovery.worker import WorkerInfo, is_comm_error
 
 __all__ = [
     "CONTROL_METHODS",
-    "EXPECTED_EXITS",
     "Call",
     "CallResults",
     "Warmup",
     "WorkerGroup",
     "WorkerLost",
     "WorkerMethod",
-    "expect_exit",
     "require",
     "seconds",
 ]
@@ -60,16 +58,6 @@ CONTROL_METHODS = frozenset({"probe", "abort"})
 def seconds(timeout: timedelta | float) -> float:
     """A timeout as seconds: every wait in the runtime takes a `timedelta` or seconds."""
     return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-
-
-EXPECTED_EXITS: dict[int, str] = {}
-"""Worker pid -> why the job itself ends that process (an injected kill, the controller's)."""
-
-
-def expect_exit(pid: int, why: str) -> None:
-    """Note that worker process ``pid`` is about to die on purpose: logs then say so in one
-    line instead of reporting an unexpected death (see ``recovery/ray_env.py``)."""
-    EXPECTED_EXITS[pid] = why
 
 
 class WorkerLost(Exception):

@@ -22,7 +22,7 @@ from typing import Any
 
 import ray
 
-from recovery.runtime.group import EXPECTED_EXITS
+from recovery.faults.exits import EXPECTED_EXITS
 
 
 def connect(*, num_cpus: int | None = None, log_to_driver: bool = False) -> bool:
@@ -67,7 +67,7 @@ def local_cluster(
     For tests and scripts/chaos.py."""
     from ray.cluster_utils import Cluster
 
-    from recovery.pool import POOL
+    from recovery.groups.pool import POOL
 
     if ray.is_initialized():
         POOL.clear()
@@ -124,7 +124,7 @@ _DIED = re.compile(r"A worker died or was killed while executing a task.*Worker 
 
 def _quiet_expected_deaths() -> None:
     """Leave out Ray's paragraph about an unexpected worker death for the deaths the job
-    chose (`recovery.runtime.group.expect_exit`; the controller logs a line of its own);
+    chose (`recovery.faults.exits.expect_exit`; the controller logs a line of its own);
     Ray's text stays for every other death. Filters Ray's driver-side error printer (`ray._private.worker.print_to_stdstream`,
     which its error listener looks up at each call) once per process."""
     from ray._private import worker

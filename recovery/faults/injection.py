@@ -11,20 +11,41 @@ struck in the generation's store (`fault_time` reads it), which is where a recov
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
 from parallelism.topology import Topology
-from recovery.faults import BitFlip, FailureSchedule, Fault, Kill, KillNode, WorkerFault
-from recovery.runtime.group import expect_exit
-from recovery.runtime.membership import Membership
+from recovery.faults.exits import expect_exit
+from recovery.faults.schedule import BitFlip, FailureSchedule, Fault, Kill, KillNode, WorkerFault
 
 __all__ = ["Armed", "InjectedFaults", "fault_time"]
 
 Armed = dict[int, tuple[Fault, ...]]
 """The faults handed to each rank with one step."""
+
+
+class _Process(Protocol):
+    @property
+    def pid(self) -> int: ...
+
+
+class _Group(Protocol):
+    def info(self, rank: int) -> _Process: ...
+
+
+class _Membership(Protocol):
+    """What arming a `KillNode` reads and books of the job's membership
+    (`recovery.runtime.membership.Membership`, which this layer does not import)."""
+
+    @property
+    def job_nodes(self) -> Sequence[str]: ...
+
+    @property
+    def group(self) -> _Group: ...
+
+    def lose_node(self, node: str) -> Iterable[int]: ...
 
 
 class InjectedFaults:
@@ -45,7 +66,7 @@ class InjectedFaults:
         """Whether a fault not yet spent strikes at ``step``."""
         return any(f.step == step and f not in self._fired for f in self.schedule)
 
-    def arm(self, step: int, membership: Membership) -> Armed:
+    def arm(self, step: int, membership: _Membership) -> Armed:
         """The faults that strike at ``step``, per rank (a node's loss is booked now)."""
         out: dict[int, list[Fault]] = {}
         for fault in self.schedule:

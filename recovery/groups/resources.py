@@ -7,7 +7,7 @@ workers compute on CUDA, see [Note: a GPU shared over Gloo]) -- so on CPUs the s
 sees a full node. Asking for what a worker really uses (``{"CPU": 1}``) lets Ray, and this
 library, see when a replacement has no room: the start then fails after
 ``RecoveryPolicy(replace_timeout_s=...)`` naming the workers it could not place, instead of
-waiting for a start timeout. Pure functions; `recovery.runtime.ray_group` passes the ask
+waiting for a start timeout. Pure functions; `recovery.groups.ray_group` passes the ask
 to Ray's actor options.
 """
 
@@ -96,7 +96,7 @@ def worker_ask(
             raise ValueError(
                 "device 'cuda' needs a share of a GPU per worker: worker_resources['GPU'] "
                 "is 0, and Ray shows a worker that asks for no GPU none (see [Note: a GPU "
-                "shared over Gloo] in recovery/resources.py)"
+                "shared over Gloo] in recovery/groups/resources.py)"
             )
         ask.setdefault("GPU", SHARED_GPU)
     return {name: value for name, value in ask.items() if value > 0}

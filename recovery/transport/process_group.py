@@ -1,4 +1,4 @@
-"""Worker-to-worker state transfer over the process group: no files, nothing through the driver.
+"""`ProcessGroupTransport`: a worker's state over the process group; no files, no driver.
 
 A worker's state is its stage's module state (parameters and buffers), its optimizer
 state and its step counter. The source sends a small description first (names, shapes,
@@ -11,7 +11,7 @@ generators' included: every random draw is derived from ``(seed, stage, replica,
 
 [Note: checked transfers]
 Every transfer carries the sender's fingerprint of what it sends: the description holds a
-XXH3-64 digest of each tensor's bytes (`recovery.fingerprint.digest`), taken from the
+XXH3-64 digest of each tensor's bytes (`recovery.integrity.fingerprint.digest`), taken from the
 sender's own state, and the receiver hashes what arrived before it trusts any of it. A
 mismatch raises `TransferCorrupted` naming the source and the tensors (the optimizer state
 is not loaded; the parameters, received in place, hold garbage until the retry), and the
@@ -26,8 +26,8 @@ host it competes with the receiver's copy for the same cores. But a survivor who
 lost a replica is idle for a while before anyone asks for its state -- while the
 replacement starts, joins and forms the next generation -- and its state, the last
 committed step's, does not change meanwhile. So `recovery.worker.StageWorker.prepare_recovery`
-starts hashing it then, on a helper thread (XXH3 runs without the GIL), and `send_state`
-takes those digests (`DigestsAhead`) instead of hashing again -- if they still describe
+starts hashing it then, on a helper thread (XXH3 runs without the GIL), and a transport's
+``send`` takes those digests (`DigestsAhead`) instead of hashing again -- if they still describe
 what it sends: the same tensors, at the same addresses, none written since (torch counts
 every in-place write in a tensor's ``_version``), else it hashes afresh. A receive that
 writes a worker's tensors behind torch's back (a process-group receive, a same-host
@@ -39,7 +39,7 @@ check and the transfer is retried, like a corruption.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -48,11 +48,21 @@ import torch
 from torch import nn
 
 from parallelism.comm import GarbledMessage, StageComm, empty_received
-from recovery import same_host
 from recovery.errors import TransferCorrupted
-from recovery.fingerprint import digest, flip_one
+from recovery.integrity.fingerprint import digest, flip_one
 from recovery.state import Progress, WorkerState, describe_entry, entry_from, tensor_meta
+from recovery.transport.transport import StateTransport
 from recovery.wire import recv_header, send_header, tensor_spec
+
+__all__ = [
+    "DigestsAhead",
+    "ProcessGroupTransport",
+    "TransferStats",
+    "check_digests",
+    "recv_named",
+    "send_named",
+    "state_bytes",
+]
 
 
 @dataclass(frozen=True)
@@ -87,7 +97,7 @@ def _key(names: list[str], tensors: list[torch.Tensor]) -> list[tuple[str, int, 
 @dataclass
 class DigestsAhead:
     """The digests of a worker's state, taken on a helper thread before anyone asked for
-    them (see [Note: digests taken ahead]). `start` them; `send_state` takes them."""
+    them (see [Note: digests taken ahead]). `start` them; a transport's ``send`` takes them."""
 
     key: list[tuple[str, int, int, int]]
     thread: threading.Thread
@@ -128,7 +138,7 @@ def _outgoing(
     return copies
 
 
-def _check(
+def check_digests(
     meta: dict[str, Any],
     targets: list[torch.Tensor],
     src: int,
@@ -156,111 +166,98 @@ def _check(
         )
 
 
-def send_state(
-    comm: StageComm,
-    dst: int,
-    state: WorkerState,
-    *,
-    wait: bool = True,
-    flip: int | None = None,
-    local: bool = True,
-    ahead: DigestsAhead | None = None,
-) -> int:
-    """Send ``state`` -- every part of it (see [Note: one worker state] in
-    recovery/state.py) -- to global rank ``dst``. Returns the bytes sent.
+class ProcessGroupTransport(StateTransport):
+    """A worker's state over the process group (Gloo or NCCL): the description, then every
+    tensor as-is, received straight into the receiver's own tensors."""
 
-    ``wait=False`` returns once the sends are posted (finish them with
-    ``comm.wait_sends()``), so a worker can receive meanwhile. The description carries the
-    digest of every tensor (see [Note: checked transfers]); ``flip`` (a seed) injects a
-    bit flipped in flight after they were taken. A destination on this host copies the
-    tensors straight out of this process's memory (``local``, and only with ``wait``: see
-    [Note: same-host transfer] in recovery/same_host.py). ``ahead``: the digests, if taken
-    already (see [Note: digests taken ahead]).
-    """
-    meta, tensors, names = state.describe()
-    digests = ahead.take(names, tensors) if ahead is not None else None
-    outgoing = _outgoing(tensors, names, flip)
-    nbytes = sum(t.numel() * t.element_size() for t in outgoing)
-    made = same_host.offer(outgoing) if wait and local and comm.backend == "gloo" else None
-    if made is not None:
-        # The receiver starts copying at once; the digests follow once taken, here,
-        # while it copies (see [Note: same-host transfer] in recovery/same_host.py).
-        meta["same_host"] = made
-        header = send_header(comm, dst, meta)
-        header += send_header(comm, dst, digests or _digests(names, tensors))
-        answer = comm.recv(torch.zeros(1, dtype=torch.int64), dst)
-        if int(answer) == same_host.TAKEN:  # copied out of our memory: nothing to send
-            comm.wait_sends()
-            return int(header + nbytes)
-    else:
-        meta["digests"] = digests or _digests(names, tensors)
-        header = send_header(comm, dst, meta)
-    for t in outgoing:
-        comm.isend(t.detach(), dst)
-    if wait:
-        comm.wait_sends()
-    return int(header + nbytes)
+    def send(
+        self,
+        dst: int,
+        state: WorkerState,
+        *,
+        flip: int | None = None,
+        ahead: DigestsAhead | None = None,
+        wait: bool = True,
+    ) -> int:
+        """Send ``state`` to global rank ``dst`` (see `StateTransport.send`). Returns the
+        bytes sent.
 
+        ``wait=False`` returns once the sends are posted (finish them with
+        ``comm.wait_sends()``), so a worker can receive meanwhile.
+        """
+        meta, tensors, names = state.describe()
+        taken = ahead.take(names, tensors) if ahead is not None else None
+        outgoing = _outgoing(tensors, names, flip)
+        nbytes = sum(t.numel() * t.element_size() for t in outgoing)
+        header = self._post(dst, meta, outgoing, lambda: taken or _digests(names, tensors), wait)
+        return int(header + nbytes)
 
-def recv_state(comm: StageComm, src: int, state: WorkerState) -> tuple[Progress, int]:
-    """Replace ``state``'s module and optimizer state with what global rank ``src`` sends;
-    returns the sender's progress (for the caller to adopt) and the bytes received.
+    def _post(
+        self,
+        dst: int,
+        meta: dict[str, Any],
+        outgoing: list[torch.Tensor],
+        digests: Callable[[], list[list[str]]],
+        wait: bool,
+    ) -> int:
+        """Send the description (the digests in it), then the tensors. Returns the bytes of
+        the description."""
+        meta["digests"] = digests()
+        header = send_header(self.comm, dst, meta)
+        self._post_tensors(dst, outgoing, wait)
+        return header
 
-    Raises:
-        RuntimeError: if the source's module does not match this worker's (a different
-            stage or model), before any parameter is overwritten.
-        GarbledMessage: if the description is not one `send_state` sends.
-        TransferCorrupted: if what arrived differs from the sender's digests; the
-            optimizer state is then left as it was, the parameters are not to be trusted.
-    """
-    meta, header = recv_header(comm, src)
-    with _reading(src):  # its structure first: what does not fit is garbled
-        for _name, shape, dtype in meta["model"]:
-            tensor_spec(shape, dtype)
-        if not isinstance(meta["progress"], Progress):
-            raise TypeError(f"progress {meta['progress']!r}")
-    try:
-        targets = state.model_targets(meta)
-    except ValueError as err:
-        raise RuntimeError(f"state from rank {src}: {err}") from None
-    # Allocate every destination first, then post all receives at once so that the bytes
-    # stream without a round trip per tensor. Model tensors are received in place.
-    device = comm.device
-    with _reading(src):
-        opt_state = state.optimizer_state(
-            meta, lambda shape, dtype: _empty(shape, dtype, device), targets
-        )
-    header += _receive(comm, src, meta, targets)
-    with _reading(src):
-        progress = state.load(meta, opt_state)
-    total = header + sum(t.numel() * t.element_size() for t in targets)
-    return progress, int(total)
+    def _post_tensors(self, dst: int, outgoing: list[torch.Tensor], wait: bool) -> None:
+        for t in outgoing:
+            self.comm.isend(t.detach(), dst)
+        if wait:
+            self.comm.wait_sends()
 
+    def recv(self, src: int, state: WorkerState) -> tuple[Progress, int]:
+        """Replace ``state``'s module and optimizer state with what global rank ``src``
+        sends (see `StateTransport.recv`, for what it raises); returns the sender's
+        progress (for the caller to adopt) and the bytes received."""
+        comm = self.comm
+        meta, header = recv_header(comm, src)
+        with _reading(src):  # its structure first: what does not fit is garbled
+            for _name, shape, dtype in meta["model"]:
+                tensor_spec(shape, dtype)
+            if not isinstance(meta["progress"], Progress):
+                raise TypeError(f"progress {meta['progress']!r}")
+        try:
+            targets = state.model_targets(meta)
+        except ValueError as err:
+            raise RuntimeError(f"state from rank {src}: {err}") from None
+        # Allocate every destination first, then post all receives at once so that the bytes
+        # stream without a round trip per tensor. Model tensors are received in place.
+        device = comm.device
+        with _reading(src):
+            opt_state = state.optimizer_state(
+                meta, lambda shape, dtype: _empty(shape, dtype, device), targets
+            )
+        header += self._receive(src, meta, targets)
+        with _reading(src):
+            progress = state.load(meta, opt_state)
+        total = header + sum(t.numel() * t.element_size() for t in targets)
+        return progress, int(total)
 
-def _receive(comm: StageComm, src: int, meta: dict[str, Any], targets: list[torch.Tensor]) -> int:
-    """Fill ``targets`` with what ``src`` sends and check it against the sender's digests:
-    out of its memory if it offered that and is on this host (see [Note: same-host
-    transfer]), else over the process group. Returns the bytes of the digests' own header
-    (an offer's come after it).
+    def _receive(self, src: int, meta: dict[str, Any], targets: list[torch.Tensor]) -> int:
+        """Fill ``targets`` with what ``src`` sends and check it against the sender's
+        digests. Returns the bytes of any header received after the description (none here).
 
-    Raises:
-        TransferCorrupted: if what arrived differs from the sender's digests.
-    """
-    made = meta.get("same_host")
-    if made is None:
-        comm.recv_many(targets, src)
-        _check(meta, targets, src, comm.rank)
+        Raises:
+            GarbledMessage: for a description that offers a same-host copy (only
+                `SameHostTransport` takes one).
+            TransferCorrupted: if what arrived differs from the sender's digests.
+        """
+        if meta.get("same_host") is not None:
+            raise GarbledMessage(
+                f"a state description from rank {src} offers a same-host copy, which a "
+                "process-group receive does not take"
+            )
+        self.comm.recv_many(targets, src)
+        check_digests(meta, targets, src, self.comm.rank)
         return 0
-    if not isinstance(made, dict):
-        raise GarbledMessage(f"a state description from rank {src} with a bad offer")
-    got = same_host.read_offer(made, targets, src)  # hashed as they land
-    meta["digests"], size = recv_header(comm, src)
-    comm.isend(torch.tensor([same_host.DECLINED if got is None else same_host.TAKEN]), src)
-    comm.wait_sends()
-    if got is None:
-        comm.recv_many(targets, src)
-    _check(meta, targets, src, comm.rank, got)
-    return size
 
 
 def state_bytes(state: WorkerState) -> int:
@@ -314,7 +311,7 @@ def recv_named(
             for name, entry in meta["moments"].items()
         }
     comm.recv_many(targets, src)
-    _check(meta, targets, src, comm.rank)
+    check_digests(meta, targets, src, comm.rank)
     return state, moments, header + sum(t.numel() * t.element_size() for t in targets)
 
 

@@ -5,9 +5,8 @@ times the controller knows nothing about (scripts/chaos.py, tests/test_outside_k
 probability ``burst_prob`` by a second kill a fraction of a second later, so that it lands
 inside the recovery the first one started. `ChaosMonkey` is the thread that follows a
 schedule against a running job (anything with `live_workers()`, e.g. a `Trainer` in
-`fit`); `kill_process` is the one SIGKILL, and says whether it landed. `differences` is the
-oracle: a job that recovered exactly ends with the losses and the final states of the run
-that never failed, bit for bit.
+`fit`); `kill_process` is the one SIGKILL, and says whether it landed. What a job that
+lived through it must end with is `recovery.reference.differences`'s business (the oracle).
 """
 
 from __future__ import annotations
@@ -20,21 +19,16 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
-import torch
-
-from recovery.runtime.group import expect_exit
-from recovery.worker import WorkerInfo
+from recovery.faults.exits import expect_exit
 
 __all__ = [
     "ChaosMonkey",
     "KillRecord",
     "PlannedKill",
-    "differences",
     "kill_process",
     "kill_schedule",
-    "relative_difference",
 ]
 
 Coords = tuple[int, int]
@@ -132,11 +126,18 @@ class KillRecord:
         return f"{self.at_s:7.2f} s  {kind} of ({s},{r}) pid {self.pid}: {outcome}{wiped}"
 
 
+class _Process(Protocol):
+    """What the monkey reads of a worker (`recovery.worker.WorkerInfo`): its process."""
+
+    @property
+    def pid(self) -> int: ...
+
+
 class _Job(Protocol):
-    def live_workers(self) -> Mapping[Coords, WorkerInfo]: ...
+    def live_workers(self) -> Mapping[Coords, _Process]: ...
 
 
-def _holders(job: _Job) -> Mapping[Coords, WorkerInfo]:
+def _holders(job: _Job) -> Mapping[Coords, _Process]:
     """The workers that hold their stage's state now (`Trainer.holders`; a job that cannot
     tell: every live worker)."""
     holders = getattr(job, "holders", None)
@@ -229,48 +230,3 @@ def _last(victim: Coords, pid: int, holding: Mapping[Coords, int]) -> bool:
     """Whether ``victim`` is the only worker left holding its stage's state."""
     mates = [c for c, p in holding.items() if c[0] == victim[0]]
     return mates == [victim] and holding[victim] == pid
-
-
-def relative_difference(got: torch.Tensor, oracle: torch.Tensor) -> float:
-    """``|got - oracle| / |oracle|`` in the L2 norm (0 for two zero tensors)."""
-    scale = float(oracle.double().norm())
-    gap = float((got.double() - oracle.double()).norm())
-    return gap / scale if scale else gap
-
-
-def differences(got: Any, oracle: Any, *, where: str = "", rtol: float = 0.0) -> list[str]:
-    """Where ``got`` differs from ``oracle``: nested dicts / lists of tensors and numbers,
-    e.g. two `FitResult.states` or two loss lists. Tensors are compared with `torch.equal`
-    (same shape, dtype and every bit of value) and numbers with ``==``; empty: identical.
-    With ``rtol`` > 0, floating-point values need only agree within ``rtol`` relative -- a
-    tensor by the norm of its difference against its own norm, elements near zero (an
-    optimizer moment) being no scale of their own -- which is what a shrunk job of three or
-    more replicas reaches (see recovery/runtime/elastic.py)."""
-    if isinstance(oracle, torch.Tensor):
-        if not (isinstance(got, torch.Tensor) and got.dtype == oracle.dtype):
-            return [f"{where}: {type(got).__name__} vs a {oracle.dtype} tensor"]
-        if rtol and oracle.is_floating_point():
-            close = got.shape == oracle.shape and relative_difference(got, oracle) <= rtol
-            return [] if close else [f"{where}: tensors differ by more than rtol {rtol:g}"]
-        return [] if torch.equal(got, oracle) else [f"{where}: tensors differ"]
-    if isinstance(oracle, Mapping):
-        if not isinstance(got, Mapping) or set(got) != set(oracle):
-            return [f"{where}: keys {sorted(map(str, got))} vs {sorted(map(str, oracle))}"]
-        return [
-            d
-            for k in oracle
-            for d in differences(got[k], oracle[k], where=f"{where}/{k}", rtol=rtol)
-        ]
-    if isinstance(oracle, list | tuple):
-        if not isinstance(got, list | tuple) or len(got) != len(oracle):
-            n = len(got) if isinstance(got, list | tuple) else type(got).__name__
-            return [f"{where}: {n} items vs {len(oracle)}"]
-        return [
-            d
-            for i, (a, b) in enumerate(zip(got, oracle, strict=True))
-            for d in differences(a, b, where=f"{where}[{i}]", rtol=rtol)
-        ]
-    if rtol and isinstance(oracle, float) and isinstance(got, float):
-        ok = abs(got - oracle) <= rtol * abs(oracle)
-        return [] if ok else [f"{where}: {got!r} vs {oracle!r} (rtol {rtol:g})"]
-    return [] if got == oracle else [f"{where}: {got!r} vs {oracle!r}"]

@@ -1,9 +1,9 @@
 """`RayWorkerGroup`: each worker a Ray actor, pinned to its node.
 
-Actors ask Ray for what `Trainer(worker_resources=...)` says (recovery/resources.py; by
+Actors ask Ray for what `Trainer(worker_resources=...)` says (recovery/groups/resources.py; by
 default no CPU, as several workers share a node and set their own torch threads, and under
 NCCL one GPU). Placement is a correctness property (two replicas of a stage on one node
-could both die with it, see recovery/placement.py), so every actor gets hard node
+could both die with it, see recovery/groups/placement.py), so every actor gets hard node
 affinity. Healthy workers of a finished job are reset and parked in the driver's
 `WorkerPool`, so the next job in the same process starts warm.
 
@@ -35,18 +35,18 @@ from ray.exceptions import (
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from recovery.errors import CallbackError
-from recovery.pool import POOL
-from recovery.ray_env import alive_nodes, connect, driver_host
-from recovery.resources import actor_options, describe, fits, worker_ask
-from recovery.runtime.group import (
+from recovery.faults.exits import expect_exit
+from recovery.groups.group import (
     Call,
     CallResults,
     Warmup,
     WorkerGroup,
     WorkerLost,
-    expect_exit,
     seconds,
 )
+from recovery.groups.pool import POOL
+from recovery.groups.ray_env import alive_nodes, connect, driver_host
+from recovery.groups.resources import actor_options, describe, fits, worker_ask
 from recovery.worker import StageWorker, WorkerInfo
 from recovery.worker.memory import huge_page_env
 
@@ -93,13 +93,13 @@ class RayWorkerGroup(WorkerGroup):
         threads: torch intra-op threads per worker.
         backend: ``"gloo"`` or ``"nccl"`` (an NCCL worker asks Ray for one GPU).
         device: the workers' compute device (parallelism/devices.py; a Gloo worker on
-            ``"cuda"`` asks Ray for a share of a GPU, see recovery/resources.py).
+            ``"cuda"`` asks Ray for a share of a GPU, see recovery/groups/resources.py).
         resources: what each worker (and hot spare) asks Ray for, as
-            `recovery.resources.worker_ask` checks it; default: that function's default.
+            `recovery.groups.resources.worker_ask` checks it; default: that function's default.
         options: extra ``.options()`` for every actor (tests).
 
     Raises:
-        ValueError: for bad ``resources`` (see `recovery.resources.worker_ask`).
+        ValueError: for bad ``resources`` (see `recovery.groups.resources.worker_ask`).
     """
 
     def __init__(

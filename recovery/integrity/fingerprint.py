@@ -3,9 +3,10 @@
 The replicas of a stage are bit-identical by construction (same seed, same all-reduced
 gradients, same deterministic optimizer), so a hash of the raw bytes of each replica's
 parameters and optimizer state, compared across its stage group, finds a corrupted
-replica exactly (`recovery.vote` compares them). The hash is XXH3-64 over each tensor's
-bytes, one digest per tensor so that a mismatch can name the tensor: a float sum could
-cancel or round a flipped low bit away, a hash of the bytes cannot. XXH3 is not a
+replica exactly (`recovery.integrity.fingerprint_vote` compares them). The hash is
+XXH3-64 over each tensor's bytes, one digest per tensor so that a mismatch can name the
+tensor: a float sum could cancel or round a flipped low bit away, a hash of the bytes
+cannot. XXH3 is not a
 cryptographic hash -- corruption is not an adversary -- and it runs faster than memory
 copies (~20 GB/s on one core here, against ~1 GB/s for BLAKE2b), so that checking every
 transfer and peer snapshot costs little next to moving the bytes.
@@ -45,7 +46,7 @@ its cost per step is about 1/K of a checked step's extra time: at K=100 that is 
 on the jobs `scripts/bench.py fingerprint` measures (README, 'Silent data corruption'),
 and a flip is found within 100 steps. A smaller K finds a flip sooner and rolls back
 fewer steps; only at K=1 is a flip with a majority against it (3+ replicas) rebuilt
-without any rollback (see [Note: fingerprint vote] in recovery/vote.py).
+without any rollback (see [Note: fingerprint vote] in recovery/integrity/fingerprint_vote.py).
 `RecoveryPolicy.fingerprint_every` stays off by default: checks cost every job something,
 and need two or more replicas."""
 

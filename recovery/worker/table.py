@@ -53,9 +53,10 @@ from recovery.strategies.embedding import (
     mirror_update_before_commit,
     restore_shard,
 )
-from recovery.transfer import recv_state, send_state
-from recovery.worker import StageWorker, StepReport
+from recovery.transport import ProcessGroupTransport
 from recovery.worker.callbacks import guard_callbacks
+from recovery.worker.reports import StepReport
+from recovery.worker.stage import StageWorker
 
 
 class TableModule(nn.Module):
@@ -371,7 +372,7 @@ class TableWorker(StageWorker):
         restored = restore_shard([self.mirror])
         self.mirror.rebase(restored)  # the replacement holds what the mirror holds now
         dense = WorkerState(self.table.dense, self.optimizer, self.progress)
-        sent = send_state(self.comm, dst, dense, wait=False)
+        sent = ProcessGroupTransport(self.comm).send(dst, dense, wait=False)
         for t in (restored.weight, restored.accumulator, restored.lookups):
             self.comm.isend(t, dst)
             sent += t.numel() * t.element_size()
@@ -386,7 +387,7 @@ class TableWorker(StageWorker):
         corrupted: dict[int, list[str]] = {}
         try:
             dense = WorkerState(self.table.dense, self.optimizer, self.progress)
-            self.progress, received = recv_state(self.comm, src, dense)
+            self.progress, received = self._transport().recv(src, dense)
         except TransferCorrupted as exc:  # receive the rest all the same: the protocol goes on
             corrupted = {source: list(tensors) for _, source, tensors in exc.found}
             received = 0

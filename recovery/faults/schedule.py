@@ -1,4 +1,4 @@
-"""Failure injection as library code: the same `FailureSchedule` drives tests, CLI and experiments.
+"""What strikes when: `FailureSchedule` and the faults it lists, in code or in text form.
 
 Deaths are real: a killed worker's process exits with SIGKILL at the chosen point inside
 the chosen step, exactly as a crashed GPU host would vanish; a hung worker stops making
@@ -98,13 +98,14 @@ class BitFlip(_AtWorker):
     """Flip one mantissa bit of one element of one parameter or optimizer-state tensor of
     worker ``(stage, replica)`` at ``at`` of step ``step``: silent data corruption that
     leaves the value finite, so only a fingerprint vote can find it (see
-    `recovery.fingerprint.flip_bit`). The tensor, element and bit are drawn from ``seed``,
+    `recovery.integrity.fingerprint.flip_bit`). The tensor, element and bit are drawn from ``seed``,
     so a run is reproducible.
 
     ``in_flight``: the bit flips instead in the next state this worker sends to another
     (a recovery's transfer from it), after the digests it sends along were taken -- what a
     bad link does; the receiver finds it (see [Note: checked transfers] in
-    recovery/transfer.py). Armed at ``at`` of ``step``, it fires at the next such send."""
+    recovery/transport/process_group.py). Armed at ``at`` of ``step``, it fires at the next
+    such send."""
 
     seed: int = 0
     in_flight: bool = False

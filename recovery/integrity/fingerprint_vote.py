@@ -1,8 +1,10 @@
 """The fingerprint vote: which replicas of a stage hold corrupted state, and what to do.
 
-Pure functions on fingerprints (`recovery.fingerprint`), shared by the runtime and tests:
-``vote(topology, fingerprints) -> Verdict`` compares each stage group's fingerprints and
-names the odd ones out; ``corruption_plan`` turns a verdict into a `RecoveryPlan`.
+Pure functions on fingerprints (`recovery.integrity.fingerprint`), shared by the runtime
+and tests: ``vote(topology, fingerprints) -> Verdict`` compares each stage group's
+fingerprints and names the odd ones out; `can_vote` says whether the odd ones can be
+rebuilt from the majority. The planner turns a verdict into a `RecoveryPlan`
+(`recovery.planner.corruption_plan`).
 
 [Note: fingerprint vote]
 Workers fingerprint their state at the end of phase one of every K-th step, after the
@@ -29,16 +31,14 @@ non-finite check still catches a corruption that turns into a NaN or an infinity
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from parallelism.topology import Topology
 from recovery.names import Strategy
-from recovery.planner import RecoveryAction, RecoveryPlan, Redundancy, plan
 from recovery.policy import RecoveryPolicy
 
-__all__ = ["Verdict", "can_vote", "corruption_plan", "vote"]
+__all__ = ["Verdict", "can_vote", "vote"]
 
 
 @dataclass(frozen=True)
@@ -131,68 +131,4 @@ def can_vote(verdict: Verdict, step: int, verified: int, policy: RecoveryPolicy)
         and verdict.decisive
         and step - verified <= 1
         and policy.allows(Strategy.REPLICA_VOTE)
-    )
-
-
-def corruption_plan(
-    topology: Topology,
-    verdict: Verdict,
-    *,
-    step: int,
-    verified: int,
-    lost: Collection[int],
-    redundancy: Redundancy,
-    policy: RecoveryPolicy,
-) -> RecoveryPlan:
-    """The recovery from a mismatch found at ``step`` (last agreeing check at ``verified``).
-
-    ``lost``: the workers taken out of the job (the suspects, when `can_vote`; more when a
-    recovery was interrupted). Either each suspect is rebuilt from its stage's majority
-    (``replica_vote``, resume at ``step``), or everyone rolls back to the newest snapshot
-    at or before ``verified``.
-
-    Raises:
-        RedundancyExhausted: if a rollback is needed and no snapshot at or before
-            ``verified`` survives for every worker (or the policy forbids rollback).
-    """
-    lost_set = set(lost)
-    if can_vote(verdict, step, verified, policy) and lost_set == set(verdict.suspects):
-        actions: list[RecoveryAction] = []
-        for rank in verdict.suspects:
-            stage = topology.worker(rank).stage
-            sources = [
-                r
-                for r in verdict.majority[stage]
-                if redundancy.alive.get(r) == step
-                and r not in lost_set
-                and r not in redundancy.untrusted
-            ]
-            if not sources:
-                break
-            actions.append(
-                RecoveryAction(
-                    rank=rank,
-                    strategy=Strategy.REPLICA_VOTE,
-                    sources=(sources[len(actions) % len(sources)],),
-                )
-            )
-        else:
-            return RecoveryPlan(tuple(actions), resume_step=step, lost=tuple(sorted(lost_set)))
-    return plan(topology, lost_set, clean_before(redundancy, verified), policy, rollback_all=True)
-
-
-def clean_before(redundancy: Redundancy, verified: int) -> Redundancy:
-    """``redundancy`` without the snapshots newer than ``verified`` (they may hold a
-    corrupted state, or one trained on corrupted gradients)."""
-    return dataclasses.replace(
-        redundancy,
-        peer_own={
-            r: [s for s in steps if s <= verified] for r, steps in redundancy.peer_own.items()
-        },
-        peer_held={
-            h: {w: [s for s in steps if s <= verified] for w, steps in wards.items()}
-            for h, wards in redundancy.peer_held.items()
-        },
-        durable_steps=tuple(s for s in redundancy.durable_steps if s <= verified),
-        checkpoint_steps=tuple(s for s in redundancy.checkpoint_steps if s <= verified),
     )
