@@ -328,7 +328,8 @@ class StageWorker(Snapshotting, StateTransfer):
             for fault in self._faults:
                 if isinstance(fault, Kill) and fault.at in _STEP_POINTS:
                     self._hook(fault.at.value)
-        # Tear down first so that peers blocked on us fail fast (see parallelism/comm.py).
+        # Tear down first so that peers blocked on us fail fast (see [Note: tearing down on
+        # failure] in parallelism/comm/gloo_sockets.py).
         self.leave()
         self._drop_step()
         if not is_comm_error(exc):
