@@ -9,7 +9,7 @@ gradient norm) and ``optimizer.step()``, or ``DistributedDataParallel`` forward/
 and ``optimizer.step()``. No controller, no Ray: what is left between this and
 ``bench.py peers`` is the runtime's share. Two more rows add the workers' commit vote
 between the two, as the runtime sends it ([Note: the vote's own connections] in
-parallelism/mesh.py: `StageComm.exchange`) and as it was sent before, an all-gather over
+parallelism/commit_vote.py: `StageComm.exchange`) and as it was sent before, an all-gather over
 a Gloo group (``--no-votes`` leaves both out). Both keep their freed memory, as a
 checkfree worker does ([Note: a worker keeps its freed memory]). The two take turns,
 ``--rounds`` times; each prints rank 0's median step and CPU seconds per step (after 3
@@ -73,7 +73,7 @@ def _worker(rank: int, mode: str, width: int, steps: int, port: int, out: mp.Que
 
         def vote(stats: object) -> None:
             row = [1.0, stats.loss_sum, float(stats.losses), stats.clipped_grad_norm]  # type: ignore[attr-defined]
-            if mode == "vote-mesh":
+            if mode == "vote-tcp":
                 comm.exchange(row)
             elif mode == "vote-gloo":
                 mine = torch.tensor(row, dtype=torch.float64)
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.size} MB (w={width}), {args.steps} steps a run, medians after {WARMUP}")
     modes = {"DDP": "ddp", "StageEngine": "engine"}
     if not args.no_votes:
-        modes |= {"+ vote, mesh": "vote-mesh", "+ vote, Gloo": "vote-gloo"}
+        modes |= {"+ vote, TCP": "vote-tcp", "+ vote, Gloo": "vote-gloo"}
     ratios: dict[str, list[float]] = {name: [] for name in modes if name != "DDP"}
     for r in range(args.rounds):
         got = {name: _run(mode, width, args.steps) for name, mode in modes.items()}

@@ -4,7 +4,7 @@ A generation is one membership epoch: a fixed set of live workers with fresh pro
 groups formed on a fresh key prefix of the controller's store. `StageComm` builds the
 groups of one worker -- the world group (point-to-point inside a pipeline, state
 transfer between any two workers) and its stage group (gradient all-reduce across the
-replicas of its stage), plus the commit vote's TCP mesh (`parallelism.mesh`) -- and tears
+replicas of its stage), plus the commit vote's TCP tree (`parallelism.commit_vote`) -- and tears
 them down with `close`. Process-group objects are
 constructed directly rather than through ``torch.distributed.init_process_group`` so that
 no global state survives a generation: closing one and forming the next is just dropping
@@ -48,8 +48,8 @@ from parallelism.comm.wire import (
     unpack_activation_header,
     wire_buffer,
 )
+from parallelism.commit_vote import CommitVote
 from parallelism.devices import wire_device
-from parallelism.mesh import Mesh
 from parallelism.progress import Progress, progress_for
 from parallelism.topology import Topology
 
@@ -162,7 +162,7 @@ class StageComm:
             if backend == "gloo" or side_group
             else None
         )
-        self._mesh: Mesh | None = None
+        self._vote: CommitVote | None = None
         self._waiter: _Waiter | None = None
         self._collective_timeout = collective
         self._pending: list[tuple[dist.Work, torch.Tensor, int]] = []
@@ -172,7 +172,7 @@ class StageComm:
         self._queued: Progress = progress_for(self.wire) if backend == "nccl" else Progress()
         # The commit vote's own sockets, formed last: every peer is past its Gloo groups.
         try:
-            self._mesh = Mesh(
+            self._vote = CommitVote(
                 dist.PrefixStore("vote", self._store),
                 self._index[rank],
                 len(self._index),
@@ -412,18 +412,18 @@ class StageComm:
     def exchange(self, row: Sequence[float]) -> dict[int, tuple[float, ...]]:
         """Every worker's ``row`` (all of one length, float64 on the wire), by global rank;
         blocks. On the calling thread, over the generation's own TCP connections, not a
-        process group: see [Note: the vote's own connections] in parallelism/mesh.py.
+        process group: see [Note: the vote's own connections] in parallelism/commit_vote.py.
 
         Raises:
             RuntimeError: if the groups were closed.
             ConnectionError: a peer died, or the groups were closed meanwhile.
         """
-        mesh = self._mesh
-        if mesh is None:
+        vote = self._vote
+        if vote is None:
             raise RuntimeError("process group used after close()")
         self._blocked_on = -1
         try:
-            rows = mesh.allgather(row, self._collective_timeout)
+            rows = vote.allgather(row, self._collective_timeout)
         finally:
             self._blocked_on = None
         return {r: rows[i] for r, i in self._index.items()}
@@ -440,9 +440,9 @@ class StageComm:
         transport, self._transport = self._transport, None
         if transport is not None:
             transport.shut_down()
-        mesh, self._mesh = self._mesh, None
-        if mesh is not None:
-            mesh.shut_down()
+        vote, self._vote = self._vote, None
+        if vote is not None:
+            vote.shut_down()
         groups = [g for g in (self._world, self._stage, self._tied, self._side) if g is not None]
         self._pending = []
         self._world = None
