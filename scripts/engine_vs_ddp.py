@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import os
 import statistics
 import sys
@@ -30,11 +31,23 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs without the install
 
-import peers  # noqa: E402
+from recovery.worker.memory import keep_freed_memory
 
-from recovery.worker.memory import keep_freed_memory  # noqa: E402
+
+def _peers():  # type: ignore[no-untyped-def]
+    """scripts/peers.py (the workload of ``bench.py peers``), loaded by its path."""
+    path = Path(__file__).resolve().with_name("peers.py")
+    spec = importlib.util.spec_from_file_location("_checkfree_script_peers", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+peers = _peers()
 
 WARMUP = 3
 
