@@ -13,15 +13,14 @@ the last worker's return (what the vote adds to a step once everyone is there). 
 table gives the connections in all (counted by each worker's vote object) and the
 median and 90th percentile of that cost.
 
-Here all workers share the machine's cores, so an exchange costs about its messages' CPU
-time spread over the cores (mesh: ``n (n - 1)`` messages, tree: ``2 (n - 1)``); the CPU a
-message costs is fitted to the medians and printed. A second table models both to 16,384
-workers with a core each: connections exactly (mesh ``n (n - 1) / 2``, tree ``n - 1``), and
-the per-step cost as hops x per-hop latency -- the mesh's one hop, in which each worker
-sends and reads ``n - 1`` messages of the fitted CPU cost; the tree's ``2 * depth`` hops of
-a latency fitted (least squares through the origin) to the tree's medians, which holds
-this machine's core sharing. A model, stated as one: no network, and the table the tree
-sends down (``32 n`` bytes a link) is not in it.
+Two workers are measured too (a hop with one message: the tree's two hops, the mesh's
+one). A second table models both to 16,384 workers with a core each: connections exactly
+(mesh ``n (n - 1) / 2``, tree ``n - 1``), and the per-step cost as hops x per-hop latency,
+where a hop in which one worker handles ``m`` messages costs the two-worker hop plus
+``m - 1`` messages' CPU (fitted to the mesh's medians: here its exchange costs about its
+``n (n - 1)`` messages' CPU spread over the cores). The mesh is one hop with ``m = n - 1``;
+the tree is ``2 * depth`` hops with ``m`` at most the fan-out. A model, stated as one: no
+network latency, and not the table the tree sends down (``32 n`` bytes a link).
 """
 
 from __future__ import annotations
@@ -172,7 +171,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     old = load_old_mesh(args.old)
-    sizes = [int(s) for s in args.sizes.split(",") if s]
+    sizes = sorted({2, *(int(s) for s in args.sizes.split(",") if s)})  # 2: one hop
     here = Path(__file__).resolve().parents[1]
     print(
         f"machine: {os.cpu_count()} cores; old: {args.old} ({_commit(args.old)}), "
@@ -217,46 +216,45 @@ def run(args: argparse.Namespace) -> None:
         )
     )
     cores = os.cpu_count() or 1
-    mesh_cpu = _fit(
+    # A message's CPU: the mesh's exchange is n (n - 1) messages spread over the cores.
+    per_message = _fit(
         [s * (s - 1) / cores for s in sizes], [measured["mesh", s]["median"] for s in sizes]
     )
-    tree_cpu = _fit(
-        [2 * (s - 1) / cores for s in sizes], [measured["tree", s]["median"] for s in sizes]
-    )
-    per_hop = _fit(
-        [2.0 * tree_depth(s) for s in sizes], [measured["tree", s]["median"] for s in sizes]
+    # A hop with one message: the tree of 2 workers is 2 hops, with a core each.
+    per_hop = measured["tree", 2]["median"] / 2
+    print(
+        f"\nhere n workers share {cores} cores, and the mesh's exchange costs about its "
+        f"n (n - 1) messages' CPU over them: {per_message * 1e6:.1f} us a message, fitted "
+        "(as modelled: "
+        + ", ".join(f"{s}: {s * (s - 1) / cores * per_message * 1e3:.2f} ms" for s in sizes)
+        + f"); one hop with one message: {per_hop * 1e3:.3f} ms (half the tree's median at "
+        f"2 workers; the mesh's at 2 workers, one hop: {measured['mesh', 2]['median'] * 1e3:.3f}"
+        " ms)"
     )
     print(
-        f"\nhere, n workers share {cores} cores, and an exchange costs about its messages' CPU "
-        f"over the cores: mesh n (n - 1) messages x {mesh_cpu * 1e6:.1f} us, tree 2 (n - 1) "
-        f"x {tree_cpu * 1e6:.1f} us (each a wake-up); as modelled: "
-        + ", ".join(
-            f"{s}: mesh {s * (s - 1) / cores * mesh_cpu * 1e3:.2f}, "
-            f"tree {2 * (s - 1) / cores * tree_cpu * 1e3:.2f} ms"
-            for s in sizes
-        )
+        "\nmodel, a core per worker: hops x per-hop latency, a hop in which a worker handles "
+        f"m messages costing {per_hop * 1e3:.3f} ms + (m - 1) x {per_message * 1e6:.1f} us. "
+        "mesh: 1 hop, m = n - 1; tree: 2 x depth hops, m = the fan-out "
+        f"({FANOUT}) or fewer. No network latency, and not the table the tree sends down "
+        "(32 n bytes a link)\n"
     )
-    print(
-        f"\nmodel, a core per worker: hops x per-hop latency. mesh: 1 hop in which each "
-        f"worker sends and reads n - 1 messages, (n - 1) x {mesh_cpu * 1e6:.1f} us; tree: "
-        f"2 x depth hops (fan-out {FANOUT}) x {per_hop * 1e3:.3f} ms, the per-hop latency "
-        "fitted to the tree's medians above (it holds this machine's core sharing, so it "
-        "overstates a hop; network latency would add to it); the table sent down is "
-        "32 n bytes a link, not modelled\n"
-    )
+
+    def hop(messages: int) -> float:
+        return per_hop + (messages - 1) * per_message
+
     model_rows = [
         [
             f"{n:,}",
             f"{n * (n - 1) // 2:,}",
             f"{n - 1:,}",
-            f"{(n - 1) * mesh_cpu * 1e3:,.2f}",
+            f"{hop(n - 1) * 1e3:,.2f}",
             f"{n - 1:,}",
             str(_max_degree(n)),
             str(2 * tree_depth(n)),
-            f"{2 * tree_depth(n) * per_hop * 1e3:.2f}",
+            f"{2 * tree_depth(n) * hop(min(FANOUT, n - 1)) * 1e3:.2f}",
             f"{32 * n / 1024:,.1f}",
         ]
-        for n in sorted({*sizes, *MODEL_SIZES})
+        for n in sorted({*sizes, *MODEL_SIZES} - {2})
     ]
     print(
         _table(
