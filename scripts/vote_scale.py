@@ -174,7 +174,8 @@ def run(args: argparse.Namespace) -> None:
     sizes = sorted({2, *(int(s) for s in args.sizes.split(",") if s)})  # 2: one hop
     here = Path(__file__).resolve().parents[1]
     print(
-        f"machine: {os.cpu_count()} cores; old: {args.old} ({_commit(args.old)}), "
+        f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the "
+        f"start; old: {args.old} ({_commit(args.old)}), "
         f"new: {here} ({_commit(here)}), fan-out {FANOUT}; {args.exchanges} exchanges "
         f"after {args.warmup}, one process a worker",
         flush=True,
