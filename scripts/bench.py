@@ -6,6 +6,7 @@
     python scripts/bench.py zero           # ZeRO-1 with mirrored shards vs unsharded AdamW
     python scripts/bench.py fingerprint    # silent-corruption fingerprints at K = 1, 10, 50, 100 vs off
     python scripts/bench.py peers          # 1x2 data-parallel job beside torchrun + DDP and torchft
+    python scripts/bench.py vote --old /work/base  # the commit vote: old full mesh vs tree, 8-64 workers
 
 Every figure is measured by this run on this machine; nothing is copied from elsewhere.
 Needs the package installed (``pip install -e .``).
@@ -14,6 +15,7 @@ Needs the package installed (``pip install -e .``).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import platform
@@ -23,8 +25,8 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
-import peers  # scripts/peers.py: this script's folder is on sys.path when it runs
 import torch
 
 from parallelism import Topology
@@ -32,6 +34,22 @@ from parallelism.schedule import theoretical_bubble
 from recovery import Trainer, TrainSpec
 from recovery.names import Mode, Strategy
 from recovery.reference import train_reference
+
+
+def sibling(name: str) -> ModuleType:
+    """``scripts/<name>.py``, loaded by its path (``scripts/`` is not a package, and this
+    does not depend on the folder being on ``sys.path``)."""
+    path = Path(__file__).resolve().with_name(f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_checkfree_script_{name}", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # before running it: its dataclasses look it up
+    spec.loader.exec_module(module)
+    return module
+
+
+peers = sibling("peers")
+vote_scale = sibling("vote_scale")
 
 
 def machine() -> str:
@@ -922,6 +940,12 @@ def main(argv: list[str] | None = None) -> int:
         "peers", help="steady step and kill -> training again beside torchrun + DDP and torchft"
     )
     peers.add_arguments(pe)
+    vo = sub.add_parser(
+        "vote",
+        help="the commit vote's connections and per-exchange cost, old full mesh vs tree, "
+        "at 8-64 workers, modelled to 16,384",
+    )
+    vote_scale.add_arguments(vo)
     args = p.parse_args(argv)
     start = time.perf_counter()
     if args.command == "peers":
@@ -937,6 +961,7 @@ def main(argv: list[str] | None = None) -> int:
         "snapshots": snapshots,
         "zero": zero,
         "fingerprint": fingerprint_cost,
+        "vote": vote_scale.run,
     }
     commands[args.command](args)
     print(f"\n(bench took {time.perf_counter() - start:.0f} s)")

@@ -14,6 +14,7 @@ old, then where the recovery's time went (its breakdown). Every figure is measur
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -76,8 +77,13 @@ def main(argv: list[str] | None = None) -> int:
         "--spares", default="0,1", help="hot spares per run, comma-separated (0: cold, 1: warm)"
     )
     args = p.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import peers
+    spec = importlib.util.spec_from_file_location(
+        "_checkfree_script_peers", Path(__file__).resolve().with_name("peers.py")
+    )
+    assert spec is not None and spec.loader is not None
+    peers = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = peers
+    spec.loader.exec_module(peers)
 
     trees = {"old": args.old, "new": args.new}
     for name, tree in trees.items():

@@ -9,7 +9,7 @@ gradient norm) and ``optimizer.step()``, or ``DistributedDataParallel`` forward/
 and ``optimizer.step()``. No controller, no Ray: what is left between this and
 ``bench.py peers`` is the runtime's share. Two more rows add the workers' commit vote
 between the two, as the runtime sends it ([Note: the vote's own connections] in
-parallelism/mesh.py: `StageComm.exchange`) and as it was sent before, an all-gather over
+parallelism/commit_vote.py: `StageComm.exchange`) and as it was sent before, an all-gather over
 a Gloo group (``--no-votes`` leaves both out). Both keep their freed memory, as a
 checkfree worker does ([Note: a worker keeps its freed memory]). The two take turns,
 ``--rounds`` times; each prints rank 0's median step and CPU seconds per step (after 3
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import os
 import statistics
 import sys
@@ -30,11 +31,23 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs without the install
 
-import peers  # noqa: E402
+from recovery.worker.memory import keep_freed_memory
 
-from recovery.worker.memory import keep_freed_memory  # noqa: E402
+
+def _peers():  # type: ignore[no-untyped-def]
+    """scripts/peers.py (the workload of ``bench.py peers``), loaded by its path."""
+    path = Path(__file__).resolve().with_name("peers.py")
+    spec = importlib.util.spec_from_file_location("_checkfree_script_peers", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+peers = _peers()
 
 WARMUP = 3
 
@@ -73,7 +86,7 @@ def _worker(rank: int, mode: str, width: int, steps: int, port: int, out: mp.Que
 
         def vote(stats: object) -> None:
             row = [1.0, stats.loss_sum, float(stats.losses), stats.clipped_grad_norm]  # type: ignore[attr-defined]
-            if mode == "vote-mesh":
+            if mode == "vote-tcp":
                 comm.exchange(row)
             elif mode == "vote-gloo":
                 mine = torch.tensor(row, dtype=torch.float64)
@@ -137,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.size} MB (w={width}), {args.steps} steps a run, medians after {WARMUP}")
     modes = {"DDP": "ddp", "StageEngine": "engine"}
     if not args.no_votes:
-        modes |= {"+ vote, mesh": "vote-mesh", "+ vote, Gloo": "vote-gloo"}
+        modes |= {"+ vote, TCP": "vote-tcp", "+ vote, Gloo": "vote-gloo"}
     ratios: dict[str, list[float]] = {name: [] for name in modes if name != "DDP"}
     for r in range(args.rounds):
         got = {name: _run(mode, width, args.steps) for name, mode in modes.items()}

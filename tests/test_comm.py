@@ -18,9 +18,6 @@ from parallelism.comm import (
     NcclSettings,
     Rendezvous,
     StageComm,
-    _abandonable,
-    _socket_inodes,
-    _Transport,
     abort_groups,
     from_wire,
     host_store,
@@ -28,6 +25,8 @@ from parallelism.comm import (
     nccl_options,
     to_wire,
 )
+from parallelism.comm.gloo_sockets import _socket_inodes, _Transport
+from parallelism.comm.groups import _abandonable
 from recovery.worker.reports import is_comm_error
 
 
@@ -180,7 +179,7 @@ def test_cutting_the_transport_spares_a_socket_that_reused_a_listed_fd(
     reused, reused_peer = socket.socketpair()
     listed.detach()
     os.dup2(reused.fileno(), fd)  # ``fd`` now names another socket, as after close + reuse
-    monkeypatch.setattr("parallelism.comm._socket_inodes", lambda: dict(stale))
+    monkeypatch.setattr("parallelism.comm.gloo_sockets._socket_inodes", lambda: dict(stale))
     try:
         transport.shut_down()
         reused_peer.sendall(b"x")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from parallelism import Topology
-from parallelism import comm as comm_mod
+from parallelism.comm import stage_comm, wire
 from parallelism.devices import (
     CUBLAS_WORKSPACE,
     check_device,
@@ -127,9 +127,9 @@ def _job(staged: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[float], An
     counts = {"staged": 0, "landed": 0}
     if staged:
         monkeypatch.setattr(
-            comm_mod, "wire_device", lambda backend, compute: torch.device("cpu", 0)
+            stage_comm, "wire_device", lambda backend, compute: torch.device("cpu", 0)
         )
-        real_init, real_land = comm_mod.StagedWork.__init__, comm_mod.land
+        real_init, real_land = wire.StagedWork.__init__, wire.land
 
         def counted_init(self: Any, *args: Any) -> None:
             counts["staged"] += 1
@@ -139,8 +139,10 @@ def _job(staged: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[float], An
             counts["landed"] += received is not target
             return real_land(target, received)
 
-        monkeypatch.setattr(comm_mod.StagedWork, "__init__", counted_init)
-        monkeypatch.setattr(comm_mod, "land", counted_land)
+        monkeypatch.setattr(wire.StagedWork, "__init__", counted_init)
+        # `land` is called by StageComm's receives and by StagedWork.wait: patch both.
+        monkeypatch.setattr(stage_comm, "land", counted_land)
+        monkeypatch.setattr(wire, "land", counted_land)
     policy = RecoveryPolicy(snapshot_every=2)
     controller, _ = make(
         mlp_spec(),

@@ -5,7 +5,7 @@ A step's failure shows up in one of three ways, and `await_step` waits for all o
 once: a dead worker's call gives `WorkerLost` (Ray, or the thread group, notices the
 death); a survivor's call returns a failed `StepReport` (Gloo reported the dead peer, and
 the survivor tore down its groups so that its own peers fail fast too -- see
-``parallelism/comm.py``); or nothing returns within ``hang_timeout_s``. In the last case
+``parallelism/comm/gloo_sockets.py``); or nothing returns within ``hang_timeout_s``. In the last case
 each silent worker is asked, on its control thread, what it is doing; those not blocked
 on a peer are the hung ones, and they are killed, which turns the hang into the first
 case. A hang is measured from a worker's last progress, not from the step's start: while

@@ -308,7 +308,7 @@ class Membership:
         }
 
         # At the first failure (a joiner died), the joiners still pending are told to give
-        # up this generation (see [Note: abandoning a formation] in parallelism/comm.py):
+        # up this generation (see [Note: abandoning a formation] in parallelism/comm/groups.py):
         # by number, since the abort can overtake the join it is meant for. The store
         # stays up until every call is back -- a joiner that has yet to connect to it
         # connects, sees the abort and returns at once -- and is dropped after, which

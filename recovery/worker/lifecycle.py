@@ -57,7 +57,7 @@ class WorkerLifecycle:
         self.comm: StageComm | None = None
         self.forming: threading.Event | None = None
         """Set by `abort` to give up the generation being formed (see
-        [Note: abandoning a formation] in parallelism/comm.py)."""
+        [Note: abandoning a formation] in parallelism/comm/groups.py)."""
         self.abandoned = -1
         """The newest generation `abort` gave up: a ``join`` of it (or an older one) that
         starts after the abort gives up at once."""

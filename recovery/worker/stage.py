@@ -25,7 +25,7 @@ after the gradient all-reduce each worker says whether its step is ready (finite
 and gradient norm, `StepStats.finite`, what the controller checks too), and one
 all-gather over the whole generation (`StageComm.exchange`: the flag, the loss and the
 gradient norm of every worker, on connections of its own: [Note: the vote's own
-connections] in parallelism/mesh.py) tells everyone whether all are. If so each applies the
+connections] in parallelism/commit_vote.py) tells everyone whether all are. If so each applies the
 step at once and reports it committed, with everyone's loss and norm -- so the step's
 record is whole even if a worker dies applying it -- and the controller only books it.
 If not, nobody applies anything, and the controller handles the reports as it handles a
@@ -328,7 +328,8 @@ class StageWorker(Snapshotting, StateTransfer):
             for fault in self._faults:
                 if isinstance(fault, Kill) and fault.at in _STEP_POINTS:
                     self._hook(fault.at.value)
-        # Tear down first so that peers blocked on us fail fast (see parallelism/comm.py).
+        # Tear down first so that peers blocked on us fail fast (see [Note: tearing down on
+        # failure] in parallelism/comm/gloo_sockets.py).
         self.leave()
         self._drop_step()
         if not is_comm_error(exc):

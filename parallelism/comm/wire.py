@@ -1,0 +1,184 @@
+"""Tensors between the compute device and the wire, and what a message on the wire may be.
+
+The backend moves bytes on the *wire device* (host memory for Gloo, the GPU for NCCL),
+which need not be where a worker computes ([Note: compute device and wire device] in
+parallelism/devices.py): `to_wire` stages a tensor for sending, `wire_buffer` is a landing
+buffer, `land` and `from_wire` bring what arrived back, and `StagedWork` copies a staged
+collective's result back when it is waited on. An activation travels as a small header
+(`pack_activation_header`) and its tensor; a header that is not one this runtime sends
+(`unpack_activation_header`), or a tensor that cannot be allocated (`empty_received`),
+is a `GarbledMessage`, a communication error like a lost peer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class GarbledMessage(ConnectionError):
+    """Bytes from a peer that are not a message this runtime sends: a header out of bounds
+    or that does not decode (what a receive buffer holds after the sender aborted
+    mid-message, or what a stranger sends). A communication error, like a lost peer."""
+
+
+Activation = torch.Tensor | tuple[torch.Tensor, ...]
+"""What one stage passes to the next: one tensor, or a tuple of tensors."""
+
+# dtype codes for activation metadata headers (see `pack_activation_header`).
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+)
+_MAX_DIMS = 8
+ACTIVATION_HEADER_LEN = 4 + _MAX_DIMS  # ndim, dtype, tuple size, requires grad, shape
+"""int64s in one activation header."""
+MAX_TUPLE = 64  # tensors in one activation
+_MAX_ELEMENTS = 1 << 36  # elements in one activation tensor (256 GiB of float32)
+
+
+def empty_received(
+    shape: list[int] | tuple[int, ...], dtype: torch.dtype, device: torch.device, what: str
+) -> torch.Tensor:
+    """An uninitialised tensor for what a received header announces (already checked
+    against its bounds).
+
+    Raises:
+        GarbledMessage: if it cannot be allocated: in bounds is not the same as possible
+            (a garbled header can still ask for hundreds of GiB), and a failed allocation
+            would otherwise read as a bug in user code and end the job.
+    """
+    try:
+        return torch.empty(shape, dtype=dtype, device=device)
+    except (RuntimeError, MemoryError) as err:
+        first = str(err).strip().splitlines()
+        raise GarbledMessage(
+            f"{what} announces a {dtype} tensor of shape {list(shape)} that cannot be "
+            f"allocated on {device} ({first[-1][:200] if first else type(err).__name__}): a "
+            "garbled header, or a message larger than this device's free memory"
+        ) from None
+
+
+def wire_buffer(like: torch.Tensor, wire: torch.device) -> torch.Tensor:
+    """An uninitialised tensor shaped as ``like`` on ``wire``: pinned host memory when
+    ``like`` is on CUDA and ``wire`` is the host (so copies to and from it are DMAs)."""
+    pinned = wire.type == "cpu" and like.device.type == "cuda"
+    return torch.empty(like.shape, dtype=like.dtype, device=wire, pin_memory=pinned)
+
+
+def to_wire(tensor: torch.Tensor, wire: torch.device) -> torch.Tensor:
+    """``tensor`` where the backend moves bytes (``wire``): itself when it is there already,
+    else a copy -- in pinned host memory when staging a CUDA tensor for Gloo, so that the
+    copy is a DMA and the send reads it at once (issue 15 item 5: compute on CUDA,
+    communication over Gloo). The copy is finished when this returns."""
+    if tensor.device == wire:
+        return tensor.contiguous()
+    staged = wire_buffer(tensor, wire)
+    staged.copy_(tensor)
+    return staged
+
+
+def from_wire(received: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """What arrived on the wire, on the compute ``device``: itself when it is there, else a
+    copy (asynchronous from pinned memory: later work on ``device``'s stream is ordered
+    after it)."""
+    if received.device == device:
+        return received
+    return received.to(device, non_blocking=received.is_pinned())
+
+
+def land(target: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+    """Copy what arrived on the wire into ``target`` on the compute device (asynchronous
+    from pinned memory, as `from_wire`); returns ``target``."""
+    if received is not target:
+        target.copy_(received, non_blocking=received.is_pinned())
+    return target
+
+
+class StagedWork:
+    """A collective run on a wire copy of a compute-device tensor: waiting for it copies the
+    result back (see [Note: compute device and wire device] in parallelism/devices.py).
+    Anything else is the backend work's own."""
+
+    def __init__(self, work: dist.Work, staged: torch.Tensor, target: torch.Tensor) -> None:
+        self._work = work
+        self._staged = staged
+        self._target = target
+        self._landed = False
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        """Wait for the collective (at most ``timeout``: the backend raises when it runs
+        out), then copy the result into the compute-device tensor, once."""
+        done = self._work.wait() if timeout is None else self._work.wait(timeout)
+        if not self._landed:
+            land(self._target, self._staged)
+            self._landed = True
+        return bool(done)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+Waitable = dist.Work | StagedWork
+"""What a started collective returns: the backend's work, or a staged one."""
+
+
+def pack_activation_header(tensor: torch.Tensor, tuple_size: int) -> torch.Tensor:
+    """The header sent ahead of ``tensor`` (on the host): its dims, dtype code, the size of
+    the tuple it belongs to (0: a lone tensor), whether it requires a gradient, its shape.
+
+    Raises:
+        ValueError: if ``tensor`` is not a tensor, has more than 8 dims or a dtype that
+            cannot be sent.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(
+            f"a stage must return a tensor or a tuple of tensors, got {type(tensor).__name__}"
+        )
+    if tensor.dim() > _MAX_DIMS:
+        raise ValueError(f"cannot send a tensor of {tensor.dim()} dims (max {_MAX_DIMS})")
+    if tensor.dtype not in _DTYPES:
+        raise ValueError(f"cannot send dtype {tensor.dtype}; supported: {_DTYPES}")
+    header = torch.zeros(ACTIVATION_HEADER_LEN, dtype=torch.int64)
+    header[0] = tensor.dim()
+    header[1] = _DTYPES.index(tensor.dtype)
+    header[2] = tuple_size
+    header[3] = int(tensor.requires_grad)
+    header[4 : 4 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    return header
+
+
+def unpack_activation_header(
+    meta: list[int], first_size: int | None, src: int
+) -> tuple[list[int], torch.dtype, int, bool]:
+    """The shape, dtype, tuple size and requires-grad flag a received header announces.
+    ``first_size``: the tuple size the first header of this activation announced (every
+    header of a tuple announces the same), None for the first.
+
+    Raises:
+        GarbledMessage: if a field is out of bounds -- checked before anything is allocated:
+            after an abort the buffer holds garbage.
+    """
+    ndim, code, size, grad = meta[:4]
+    shape = meta[4 : 4 + ndim]
+    if not (
+        0 <= ndim <= _MAX_DIMS
+        and 0 <= code < len(_DTYPES)
+        and 0 <= size <= MAX_TUPLE
+        and grad in (0, 1)
+        and all(0 <= d <= _MAX_ELEMENTS for d in shape)
+        and math.prod(shape) <= _MAX_ELEMENTS
+        and (first_size is None or size == first_size)
+    ):
+        raise GarbledMessage(f"an activation header {meta} from rank {src}")
+    return shape, _DTYPES[code], size, bool(grad)
