@@ -4,7 +4,7 @@ from parallelism.datasets import batches_from_dataset
 from recovery.errors import RecoveryError, RedundancyExhausted
 from recovery.events import RecoveryEvent
 from recovery.faults import BitFlip, Corrupt, FailureSchedule, Hang, Kill, KillNode, KillPoint
-from recovery.policy import RecoveryPolicy
+from recovery.policy import MirrorPolicy, RecoveryPolicy, RestartBaseline, SnapshotPolicy, Timeouts
 from recovery.spec import TrainSpec
 from recovery.strategies.checkfree import CheckFreeConfig
 from recovery.trainer import FitResult, Trainer
@@ -19,10 +19,14 @@ __all__ = [
     "Kill",
     "KillNode",
     "KillPoint",
+    "MirrorPolicy",
     "RecoveryError",
     "RecoveryEvent",
     "RecoveryPolicy",
     "RedundancyExhausted",
+    "RestartBaseline",
+    "SnapshotPolicy",
+    "Timeouts",
     "TrainSpec",
     "Trainer",
     "batches_from_dataset",

@@ -148,7 +148,7 @@ class Trainer:
             ``{"CPU": 1}`` or ``{"GPU": 1, "CPU": 4}``; other names are custom Ray
             resources. Default: no CPU (workers share a node), and one GPU under NCCL.
             With a real ask Ray sees when a node is full, and a worker that finds no room
-            within ``RecoveryPolicy(replace_timeout_s=...)`` ends the job with a
+            within ``RecoveryPolicy.timeouts.replace`` ends the job with a
             ``PlacementFailed`` naming it. Placement is unchanged: replicas of a stage
             still go to different nodes.
 
@@ -232,7 +232,8 @@ class Trainer:
         )
         if policy.snapshots.durable_every is not None and self.config.snapshot_dir is None:
             raise ValueError(
-                "durable_every needs a folder: set RecoveryPolicy(snapshot_dir=...) or run_dir"
+                "snapshots.durable_every needs a folder: set RecoveryPolicy(snapshots=SnapshotPolicy("
+                "dir=...)) or run_dir"
             )
 
     def fit(self, steps: int) -> FitResult:

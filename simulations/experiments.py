@@ -52,6 +52,9 @@ class RuntimeCell:
 
 
 def _policy(settings: Mapping[str, Any]) -> Any:
+    """A ``[policies.<name>]`` table as a `RecoveryPolicy`: its keys are the policy's fields,
+    each part a table of its own (``[policies.<name>.baseline] checkpoint_every = 20``);
+    a key by an old flat name is refused naming its home (`recovery.policy.RENAMED`)."""
     from recovery.policy import RecoveryPolicy
 
     return RecoveryPolicy(**dict(settings))

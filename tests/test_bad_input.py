@@ -97,10 +97,10 @@ def test_bad_llama_hyperparameters(kwargs: dict[str, object], message: str) -> N
     "kwargs, message",
     [
         ({"max_recoveries": True}, r"max_recoveries must be an integer >= 0 or None, got True"),
-        ({"hang_timeout_s": True}, r"hang_timeout_s \(timeouts.hang\) must be a positive"),
+        ({"timeouts": {"hang": True}}, r"timeouts\.hang must be a positive"),
         ({"hot_spares": True}, "hot_spares must be an integer >= 0, got True"),
         ({"comm_retries": True}, "comm_retries must be an integer >= 0, got True"),
-        ({"hang_timeout_s": float("inf")}, "hang_timeout_s"),
+        ({"timeouts": {"hang": float("inf")}}, r"timeouts\.hang"),
     ],
 )
 def test_bad_policy_fields(kwargs: dict[str, object], message: str) -> None:

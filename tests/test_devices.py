@@ -18,7 +18,15 @@ from parallelism.devices import (
     deterministic_cuda,
     wire_device,
 )
-from recovery import FailureSchedule, Kill, KillPoint, RecoveryPolicy, Trainer, TrainSpec
+from recovery import (
+    FailureSchedule,
+    Kill,
+    KillPoint,
+    RecoveryPolicy,
+    SnapshotPolicy,
+    Trainer,
+    TrainSpec,
+)
 from recovery.resources import SHARED_GPU, worker_ask
 from recovery.runtime import Phase
 from tests.jobs import drive, make
@@ -141,7 +149,7 @@ def _job(staged: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[float], An
 
         monkeypatch.setattr(comm_mod.StagedWork, "__init__", counted_init)
         monkeypatch.setattr(comm_mod, "land", counted_land)
-    policy = RecoveryPolicy(snapshot_every=2)
+    policy = RecoveryPolicy(snapshots=SnapshotPolicy(peer_every=2))
     controller, _ = make(
         mlp_spec(),
         Topology(2, 2),

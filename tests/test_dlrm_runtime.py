@@ -13,7 +13,7 @@ import torch
 
 from parallelism import Topology
 from parallelism.workloads.clicks import ClickDataset, read_criteo
-from recovery import FitResult, RecoveryPolicy, Trainer, TrainSpec
+from recovery import FitResult, MirrorPolicy, RecoveryPolicy, SnapshotPolicy, Trainer, TrainSpec
 from recovery.errors import RedundancyExhausted
 from recovery.faults import FailureSchedule, Kill, KillPoint
 
@@ -21,8 +21,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_local")]
 
 TOPOLOGY = Topology(1, 4)
 STEPS = 6
-EVERY_STEP = RecoveryPolicy(mirror_every=1)
-HOT_ONLY = RecoveryPolicy(mirror_every=4, mirror_hot_rows=3, pls_budget=1.0)
+EVERY_STEP = RecoveryPolicy(mirrors=MirrorPolicy(every=1))
+HOT_ONLY = RecoveryPolicy(mirrors=MirrorPolicy(every=4, hot_rows=3, pls_budget=1.0))
 
 
 @functools.cache
@@ -50,7 +50,8 @@ def model(result: FitResult, replica: int) -> dict[str, torch.Tensor]:
 )
 def test_mirroring_every_step_recovers_bit_exact(at: KillPoint, spares: int) -> None:
     result = fit(
-        RecoveryPolicy(mirror_every=1, hot_spares=spares), Kill(step=3, stage=0, replica=2, at=at)
+        RecoveryPolicy(mirrors=MirrorPolicy(every=1), hot_spares=spares),
+        Kill(step=3, stage=0, replica=2, at=at),
     )
     expected = oracle(STEPS)
     assert result.losses == expected.losses
@@ -122,7 +123,8 @@ def test_partial_recovery_rewrites_only_the_lost_shard() -> None:
 
 def test_exact_policy_rolls_back_when_rows_are_stale() -> None:
     policy = RecoveryPolicy(
-        mirror_every=100, mirror_hot_rows=3, embedding="exact", snapshot_every=2
+        mirrors=MirrorPolicy(every=100, hot_rows=3, embedding="exact"),
+        snapshots=SnapshotPolicy(peer_every=2),
     )
     result = fit(policy, Kill(step=3, stage=0, replica=0, at=KillPoint.MID_PIPELINE))
     (event,) = result.events
@@ -132,7 +134,10 @@ def test_exact_policy_rolls_back_when_rows_are_stale() -> None:
 
 
 def test_partial_recovery_beyond_the_pls_budget_rolls_back() -> None:
-    policy = RecoveryPolicy(mirror_every=100, mirror_hot_rows=0, pls_budget=1e-6, snapshot_every=2)
+    policy = RecoveryPolicy(
+        mirrors=MirrorPolicy(every=100, hot_rows=0, pls_budget=1e-6),
+        snapshots=SnapshotPolicy(peer_every=2),
+    )
     result = fit(policy, Kill(step=3, stage=0, replica=3, at=KillPoint.MID_PIPELINE))
     (event,) = result.events
     assert event.strategy == "rollback" and "exceeds pls_budget" in event.detail
@@ -142,7 +147,7 @@ def test_losing_a_shard_with_its_mirror_and_no_snapshot_is_reported() -> None:
     # Replica 0's buddy on a one-node ring is replica 1: both copies of shard 0 die.
     faults = [Kill(step=2, stage=0, replica=r, at=KillPoint.MID_PIPELINE) for r in (0, 1)]
     with pytest.raises(RedundancyExhausted, match="lost with its mirror"):
-        fit(RecoveryPolicy(snapshot_every=None), *faults)
+        fit(RecoveryPolicy(snapshots=SnapshotPolicy(peer_every=None)), *faults)
 
 
 def test_tables_too_small_or_a_pipeline_are_refused_before_workers_start() -> None:

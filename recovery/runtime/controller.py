@@ -155,7 +155,7 @@ class ControllerConfig:
     work_dir: str | None = None
     """Where the restart baseline writes checkpoints (default: a temp folder)."""
     snapshot_dir: str | None = None
-    """Where durable snapshots go (required when the policy sets ``durable_every``)."""
+    """Where durable snapshots go (required when the policy sets ``snapshots.durable_every``)."""
     resume: bool = True
     """Resume from the newest intact durable snapshot in ``snapshot_dir``, if one exists."""
     worker_options: dict[str, Any] = field(default_factory=dict)

@@ -217,13 +217,13 @@ class Membership:
         if started.unplaced:
             raise PlacementFailed(
                 f"could not {what}: {len(started.unplaced)} worker(s) found no room "
-                f"(replace_timeout_s={seconds(timeouts.replace):g}): "
+                f"(timeouts.replace={seconds(timeouts.replace):g} s): "
                 + "; ".join(
                     f"worker {self.topology.worker(rank)}: {why}"
                     for rank, why in sorted(started.unplaced.items())
                 )
                 + ". Add nodes or free their resources, ask for less "
-                "(Trainer(worker_resources=...)), or wait longer (replace_timeout_s)",
+                "(Trainer(worker_resources=...)), or wait longer (timeouts.replace)",
                 unplaced=started.unplaced,
             )
         require(started, what)
