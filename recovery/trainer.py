@@ -14,8 +14,9 @@ from typing import Any
 import torch
 import xxhash
 
-from parallelism.comm import BACKENDS, default_backend
-from parallelism.devices import check_device
+from parallelism.checks import check_bool, check_choice, check_int
+from parallelism.comm import default_backend
+from parallelism.devices import BACKENDS, Backend, Device, check_device
 from parallelism.topology import Topology
 from recovery.events import RecoveryEvent
 from recovery.faults import FailureSchedule
@@ -131,8 +132,9 @@ class Trainer:
         topology: ``Topology(stages, replicas)``.
         policy: what to do when workers die (default: the recovery hierarchy).
         failures: faults to inject (tests, experiments, demos).
-        backend: ``"gloo"`` or ``"nccl"``; default: ``nccl`` if CUDA is available.
-        device: what each worker computes on: ``"cpu"``, ``"cuda"`` (the GPU Ray gives it),
+        backend: ``"gloo"`` or ``"nccl"`` (`Backend`); default: ``nccl`` if CUDA is available.
+        device: what each worker computes on (`Device`): ``"cpu"``, ``"cuda"`` (the GPU Ray
+            gives it),
             or None (default): the backend's own -- CPU under Gloo, the worker's GPU under
             NCCL. ``backend="gloo", device="cuda"`` computes on CUDA and communicates over
             Gloo, staged through pinned host memory: several workers may then share one
@@ -153,7 +155,8 @@ class Trainer:
             still go to different nodes.
 
     Raises:
-        ValueError: for a bad argument; raised here, before anything starts.
+        ValueError: for a bad argument (a choice not among the allowed values, naming them;
+            a flag that is not a bool); raised here, before anything starts.
     """
 
     def __init__(
@@ -163,8 +166,8 @@ class Trainer:
         topology: Topology,
         policy: RecoveryPolicy | None = None,
         failures: FailureSchedule | None = None,
-        backend: str | None = None,
-        device: str | None = None,
+        backend: Backend | None = None,
+        device: Device | None = None,
         run_dir: str | os.PathLike[str] | None = None,
         progress: bool = False,
         eval_every: int = 0,
@@ -177,21 +180,19 @@ class Trainer:
             raise ValueError(f"spec must be a TrainSpec, got {type(spec).__name__}")
         if not isinstance(topology, Topology):
             raise ValueError(f"topology must be a Topology, got {type(topology).__name__}")
-        backend = backend or default_backend()
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
-        check_device(backend, device)
+        chosen: Backend = check_choice("backend", backend or default_backend(), BACKENDS)
+        check_device(chosen, device)
         if spec.tables is not None and device not in (None, "cpu"):
             raise ValueError(
                 f"sharded embedding tables (TrainSpec.dlrm) train on the CPU, not on "
                 f"device {device!r}: leave device unset or 'cpu'"
             )
-        for name, value in (("eval_every", eval_every), ("eval_batches", eval_batches)):
-            if value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
-        if threads_per_worker < 1:
-            raise ValueError(f"threads_per_worker must be >= 1, got {threads_per_worker}")
-        resources = worker_ask(worker_resources, backend, device)
+        check_int("eval_every", eval_every, minimum=0)
+        check_int("eval_batches", eval_batches, minimum=0)
+        check_int("threads_per_worker", threads_per_worker, minimum=1)
+        check_bool("progress", progress)
+        check_bool("collect_states", collect_states)
+        resources = worker_ask(worker_resources, chosen, device)
         policy = RecoveryPolicy() if policy is None else policy
         if not isinstance(policy, RecoveryPolicy):
             raise ValueError(f"policy must be a RecoveryPolicy, got {type(policy).__name__}")
@@ -213,7 +214,7 @@ class Trainer:
         self.topology = topology
         self.policy = policy
         self.failures = failures
-        self.backend = backend
+        self.backend = chosen
         self.device = device
         self.run_dir = RunDir(run_dir) if run_dir is not None else None
         self.progress = progress
@@ -221,7 +222,7 @@ class Trainer:
         self._training: Controller | None = None
         """The job while `fit` trains (between the first generation and the last commit)."""
         self.config = ControllerConfig(
-            backend=backend,
+            backend=chosen,
             device=device,
             threads_per_worker=threads_per_worker,
             worker_resources=resources,

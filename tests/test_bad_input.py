@@ -60,9 +60,12 @@ def test_bad_spec_fields(kwargs: dict[str, object], message: str) -> None:
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"backend": "mpi"}, "unknown backend 'mpi'"),
-        ({"eval_every": -1}, "eval_every must be >= 0"),
-        ({"threads_per_worker": 0}, "threads_per_worker must be >= 1"),
+        ({"backend": "mpi"}, "backend must be one of 'gloo', 'nccl'; got 'mpi'"),
+        ({"device": "gpu"}, "unknown device 'gpu'; choose one of"),
+        ({"eval_every": -1}, "eval_every must be an integer >= 0, got -1"),
+        ({"threads_per_worker": 0}, "threads_per_worker must be an integer >= 1, got 0"),
+        ({"progress": "no"}, "progress must be True or False, got 'no'"),
+        ({"collect_states": "false"}, "collect_states must be True or False, got 'false'"),
         ({"topology": (4, 2)}, "topology must be a Topology"),
     ],
 )

@@ -72,6 +72,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from parallelism.devices import Backend, Device
 from parallelism.topology import Topology
 from recovery.errors import (
     PlacementFailed,
@@ -144,14 +145,19 @@ _IN_RECOVERY = (Phase.RECOVERING, Phase.REPLACING, Phase.REFORMING, Phase.RESTOR
 
 @dataclass
 class ControllerConfig:
-    """How the controller runs the job (set by `Trainer`)."""
+    """How the controller runs the job (set by `Trainer`, which checks every value)."""
 
-    backend: str
-    device: str | None = None
-    """The workers' compute device (parallelism/devices.py); None: the backend's own."""
+    backend: Backend
+    """The workers' process groups: ``"gloo"`` or ``"nccl"``."""
+    device: Device | None = None
+    """The workers' compute device, ``"cpu"`` or ``"cuda"`` (parallelism/devices.py); None:
+    the backend's own."""
     threads_per_worker: int = 1
+    """Torch intra-op threads per worker."""
     eval_every: int = 0
+    """Held-out loss every this many steps (0: never)."""
     eval_batches: int = 1
+    """Held-out batches per evaluation."""
     work_dir: str | None = None
     """Where the restart baseline writes checkpoints (default: a temp folder)."""
     snapshot_dir: str | None = None
