@@ -38,12 +38,12 @@ from torch import nn
 
 from parallelism.comm import Rendezvous, StageComm
 from parallelism.engine import StepStats
+from parallelism.spec import TrainSpec
 from parallelism.topology import Topology
 from parallelism.workloads.clicks import ClickBatch
 from parallelism.workloads.dlrm import ProcessGroupCollective
 from recovery.errors import TransferCorrupted
 from recovery.faults import Fault, KillPoint
-from recovery.spec import TrainSpec
 from recovery.state import WorkerState
 from recovery.strategies.embedding import (
     MFUTracker,

@@ -17,6 +17,7 @@ import xxhash
 from parallelism.checks import check_bool, check_choice, check_int
 from parallelism.comm import default_backend
 from parallelism.devices import BACKENDS, Backend, Device, check_device
+from parallelism.spec import TrainSpec
 from parallelism.topology import Topology
 from recovery.events import RecoveryEvent
 from recovery.faults import FailureSchedule
@@ -27,7 +28,6 @@ from recovery.policy import RecoveryPolicy
 from recovery.resources import worker_ask
 from recovery.rundir import RunDir
 from recovery.runtime import Controller, ControllerConfig, StepRecord
-from recovery.spec import TrainSpec
 from recovery.worker import WorkerInfo
 
 

@@ -73,6 +73,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parallelism.devices import Backend, Device
+from parallelism.spec import TrainSpec
 from parallelism.topology import Topology
 from recovery.errors import (
     PlacementFailed,
@@ -107,7 +108,6 @@ from recovery.runtime.records import (
     recovery_event,
     step_record,
 )
-from recovery.spec import TrainSpec
 from recovery.vote import Verdict, can_vote, corruption_plan, vote
 from recovery.worker import StepReport, WorkerInfo
 

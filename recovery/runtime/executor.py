@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from parallelism.spec import TrainSpec
 from parallelism.topology import Topology
 from recovery.errors import RedundancyExhausted, SnapshotCorrupted, TransferCorrupted
 from recovery.names import Strategy, Tier
@@ -29,7 +30,6 @@ from recovery.runtime.detection import settle
 from recovery.runtime.group import Call, WorkerGroup, require
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.snapshots import DurableStore
-from recovery.spec import TrainSpec
 
 __all__ = ["Restore", "execute", "execute_or_fall_back"]
 

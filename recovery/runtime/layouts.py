@@ -16,13 +16,13 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
+from parallelism.spec import TrainSpec
 from parallelism.topology import Topology
 from recovery.names import Strategy
 from recovery.planner import RecoveryPlan, Redundancy
 from recovery.policy import RecoveryPolicy
 from recovery.runtime.group import WorkerGroup, require
 from recovery.runtime.ledger import RedundancyLedger
-from recovery.spec import TrainSpec
 from recovery.strategies.pls import PLSLedger
 from recovery.table_worker import TableWorker
 from recovery.worker import StageWorker

@@ -16,6 +16,7 @@ from collections.abc import Collection
 from typing import Any
 
 from parallelism.comm import Rendezvous, host_store
+from parallelism.spec import TrainSpec
 from parallelism.topology import Topology
 from recovery.errors import PlacementFailed
 from recovery.placement import place, replacement_node
@@ -26,7 +27,6 @@ from recovery.runtime.group import WorkerGroup, require, seconds
 from recovery.runtime.layouts import StateLayout
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.snapshots import buddies
-from recovery.spec import TrainSpec
 from recovery.worker import StepReport
 
 __all__ = ["Membership"]

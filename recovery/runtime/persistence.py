@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from parallelism.spec import TrainSpec
 from parallelism.topology import Topology
 from recovery.errors import RecoveryError, SnapshotCorrupted
 from recovery.identity import job_identity
@@ -25,7 +26,6 @@ from recovery.runtime.executor import Restore
 from recovery.runtime.group import WorkerGroup, require
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.snapshots import DurableStore
-from recovery.spec import TrainSpec
 from recovery.worker import StepReport
 
 __all__ = ["Persistence"]

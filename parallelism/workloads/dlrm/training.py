@@ -304,7 +304,7 @@ def _grad(p: nn.Parameter) -> Tensor:
 
 @dataclass(frozen=True)
 class DLRMTraining:
-    """How the runtime trains a DLRM (`recovery.spec.TrainSpec.dlrm`): the model and the
+    """How the runtime trains a DLRM (`parallelism.spec.TrainSpec.dlrm`): the model and the
     learning rates of its two optimizers.
 
     Raises:
