@@ -95,7 +95,7 @@ class SnapshotPolicy:
 
 @dataclass(frozen=True, kw_only=True)
 class MirrorPolicy:
-    """Embedding tables (`TrainSpec.dlrm`): shard mirrors and partial recovery (CPR).
+    """Embedding tables (`dlrm_spec`): shard mirrors and partial recovery (CPR).
 
     Raises:
         ValueError: naming the bad field and value.

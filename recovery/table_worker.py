@@ -1,4 +1,4 @@
-"""The worker of a model with row-sharded embedding tables (`TrainSpec.dlrm`), as a Ray actor.
+"""The worker of a model with row-sharded embedding tables (`dlrm_spec`), as a Ray actor.
 
 `TableWorker` is a `recovery.worker.StageWorker` whose "stage" is one shard of every
 embedding table plus a replica of the dense part (`parallelism.dlrm.DLRMWorker`); the
@@ -101,7 +101,7 @@ class TableWorker(StageWorker):
         """
         start = time.perf_counter()
         if spec.tables is None:
-            raise ValueError("TableWorker needs a TrainSpec with tables (TrainSpec.dlrm)")
+            raise ValueError("TableWorker needs a TrainSpec with tables (dlrm_spec)")
         if backend != "gloo":
             raise ValueError(
                 f"sharded embedding tables train on the CPU over Gloo, not {backend!r}"

@@ -184,7 +184,7 @@ class Trainer:
         check_device(chosen, device)
         if spec.tables is not None and device not in (None, "cpu"):
             raise ValueError(
-                f"sharded embedding tables (TrainSpec.dlrm) train on the CPU, not on "
+                f"sharded embedding tables (dlrm_spec) train on the CPU, not on "
                 f"device {device!r}: leave device unset or 'cpu'"
             )
         check_int("eval_every", eval_every, minimum=0)
@@ -208,7 +208,7 @@ class Trainer:
         if policy.swapped_routes and (spec.routes != "swapped" or spec.shared_params is None):
             raise ValueError(
                 "RecoveryPolicy(approximate='checkfree+') needs a model trained for it: swapped "
-                "routes and (de)embedding replicas, e.g. TrainSpec.llama(..., checkfree_plus=True)"
+                "routes and (de)embedding replicas, e.g. llama_spec(..., checkfree_plus=True)"
             )
         self.spec = spec
         self.topology = topology

@@ -29,6 +29,7 @@ import torch
 
 from parallelism import Topology
 from parallelism.schedule import theoretical_bubble
+from parallelism.workloads.llama_spec import llama_spec
 from recovery import Trainer, TrainSpec
 from recovery.names import Mode, Strategy
 from recovery.reference import train_reference
@@ -51,7 +52,7 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
 def model_spec(
     args: argparse.Namespace, *, schedule: str = "1f1b", microbatches: int | None = None
 ) -> TrainSpec:
-    return TrainSpec.llama(
+    return llama_spec(
         preset=args.preset,
         seq_len=args.seq_len,
         microbatch_size=args.microbatch_size,
@@ -344,7 +345,7 @@ def recovery(args: argparse.Namespace) -> None:
     elastic_rows: list[list[str]] = []
     calibration: dict[str, float] = {}
     for preset in args.presets.split(","):
-        spec = TrainSpec.llama(
+        spec = llama_spec(
             preset=preset,
             seq_len=args.seq_len,
             microbatch_size=1,

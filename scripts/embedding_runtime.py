@@ -3,7 +3,7 @@
     python scripts/embedding_runtime.py            # small DLRM, 4 workers, 1500 steps, 6 kills (~10 min)
     python scripts/embedding_runtime.py --preset tiny --steps 60 --failures 2 --heldout 2000
 
-The same model (`TrainSpec.dlrm`), data and failure schedule (real worker processes killed
+The same model (`dlrm_spec`), data and failure schedule (real worker processes killed
 with SIGKILL) under each recovery policy: no failures; full rollback to a peer snapshot
 taken every Young-interval steps (the interval from this machine's measured snapshot cost
 and failure rate); CPR -- a lost shard restored from its neighbour's full copy, refreshed
@@ -39,6 +39,7 @@ from parallelism.workloads.dlrm import (
     DenseDLRM,
     ShardLayout,
     assemble_tables,
+    dlrm_spec,
     log_loss,
     predict_unsharded,
     roc_auc,
@@ -171,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     try:
-        spec = TrainSpec.dlrm(preset=args.preset, batch_size=args.batch_size, seed=args.seed)
+        spec = dlrm_spec(preset=args.preset, batch_size=args.batch_size, seed=args.seed)
         topology = Topology(1, args.workers)
         spec.check(topology)
         failures = failure_schedule(

@@ -41,6 +41,8 @@ def _jobs() -> dict[str, Callable[[], tuple[Any, Any]]]:
     from torch import nn
 
     from parallelism import Topology
+    from parallelism.workloads.dlrm import dlrm_spec
+    from parallelism.workloads.llama_spec import llama_spec
     from recovery import (
         FailureSchedule,
         Kill,
@@ -79,7 +81,7 @@ def _jobs() -> dict[str, Callable[[], tuple[Any, Any]]]:
 
     return {
         "llama_2x2_replica_copy": lambda: run(
-            TrainSpec.llama(preset="tiny", seq_len=32, microbatch_size=2, max_bytes=2_000_000),
+            llama_spec(preset="tiny", seq_len=32, microbatch_size=2, max_bytes=2_000_000),
             Topology(2, 2),
             RecoveryPolicy(),
             Kill(step=3, stage=1, replica=0, at=KillPoint.MID_PIPELINE),
@@ -101,7 +103,7 @@ def _jobs() -> dict[str, Callable[[], tuple[Any, Any]]]:
             zero, Topology(1, 2), RecoveryPolicy(), Kill(step=3, stage=0, replica=1)
         ),
         "dlrm_1x4_shard_mirror": lambda: run(
-            TrainSpec.dlrm(preset="tiny", batch_size=16, seed=3),
+            dlrm_spec(preset="tiny", batch_size=16, seed=3),
             Topology(1, 4),
             RecoveryPolicy(mirrors=MirrorPolicy(every=1)),
             Kill(step=3, stage=0, replica=2),

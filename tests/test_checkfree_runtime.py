@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from parallelism import Topology
+from parallelism.workloads.llama_spec import llama_spec
 from recovery import FitResult, Trainer, TrainSpec
 from recovery.faults import FailureSchedule, Kill, KillPoint
 from recovery.policy import RecoveryPolicy, SnapshotPolicy
@@ -29,7 +30,7 @@ AFTER = 10
 
 @functools.cache
 def spec(plus: bool = False) -> TrainSpec:
-    return TrainSpec.llama(
+    return llama_spec(
         preset="tiny",
         seq_len=32,
         microbatch_size=2,

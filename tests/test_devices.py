@@ -18,6 +18,7 @@ from parallelism.devices import (
     deterministic_cuda,
     wire_device,
 )
+from parallelism.workloads.dlrm import dlrm_spec
 from recovery import (
     FailureSchedule,
     Kill,
@@ -25,7 +26,6 @@ from recovery import (
     RecoveryPolicy,
     SnapshotPolicy,
     Trainer,
-    TrainSpec,
 )
 from recovery.resources import SHARED_GPU, worker_ask
 from recovery.runtime import Phase
@@ -69,8 +69,8 @@ def test_trainer_refuses_cuda_on_a_machine_without_it() -> None:
 
 def test_tables_train_on_the_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past the CUDA check
-    spec = TrainSpec.dlrm(preset="tiny")
-    with pytest.raises(ValueError, match=r"embedding tables \(TrainSpec.dlrm\) train on the CPU"):
+    spec = dlrm_spec(preset="tiny")
+    with pytest.raises(ValueError, match=r"embedding tables \(dlrm_spec\) train on the CPU"):
         Trainer(spec, topology=Topology(1, 4), backend="gloo", device="cuda")
     Trainer(spec, topology=Topology(1, 4), backend="gloo", device="cpu")
 

@@ -13,6 +13,7 @@ import torch
 
 from parallelism import Topology
 from parallelism.workloads.clicks import ClickDataset, read_criteo
+from parallelism.workloads.dlrm import dlrm_spec
 from recovery import FitResult, MirrorPolicy, RecoveryPolicy, SnapshotPolicy, Trainer, TrainSpec
 from recovery.errors import RedundancyExhausted
 from recovery.faults import FailureSchedule, Kill, KillPoint
@@ -27,7 +28,7 @@ HOT_ONLY = RecoveryPolicy(mirrors=MirrorPolicy(every=4, hot_rows=3, pls_budget=1
 
 @functools.cache
 def spec() -> TrainSpec:
-    return TrainSpec.dlrm(preset="tiny", batch_size=16, seed=3)
+    return dlrm_spec(preset="tiny", batch_size=16, seed=3)
 
 
 @functools.cache
@@ -140,7 +141,7 @@ def test_partial_recovery_beyond_the_pls_budget_rolls_back() -> None:
     )
     result = fit(policy, Kill(step=3, stage=0, replica=3, at=KillPoint.MID_PIPELINE))
     (event,) = result.events
-    assert event.strategy == "rollback" and "exceeds pls_budget" in event.detail
+    assert event.strategy == "rollback" and "exceeds mirrors.pls_budget" in event.detail
 
 
 def test_losing_a_shard_with_its_mirror_and_no_snapshot_is_reported() -> None:
@@ -178,14 +179,14 @@ def _tiny_criteo(path: Path, lines: int) -> Path:
 def test_a_criteo_file_travels_as_a_path_and_recovers_bit_exact(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """TrainSpec.dlrm(data=...) carries the file's recipe, not its samples (the pickled
+    """dlrm_spec(data=...) carries the file's recipe, not its samples (the pickled
     spec's size does not grow with the file); the workers map the parsed samples, checked
     by fingerprint, and train bit for bit as on the same samples shipped in memory, through
     a recovery."""
     monkeypatch.setenv("CHECKFREE_CACHE_DIR", str(tmp_path / "cache"))
     path = _tiny_criteo(tmp_path / "clicks.tsv", 400)
-    from_file = TrainSpec.dlrm(preset="tiny", data=path, batch_size=16, seed=3)
-    larger = TrainSpec.dlrm(
+    from_file = dlrm_spec(preset="tiny", data=path, batch_size=16, seed=3)
+    larger = dlrm_spec(
         preset="tiny", data=_tiny_criteo(tmp_path / "large.tsv", 20_000), batch_size=16, seed=3
     )
     sizes = [len(pickle.dumps(s)) for s in (from_file, larger)]

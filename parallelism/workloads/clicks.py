@@ -63,7 +63,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Literal, get_args
 
 import numpy as np
 import torch
@@ -74,6 +74,7 @@ from parallelism.checks import check_index, check_positive_int
 __all__ = [
     "CRITEO_DENSE",
     "CRITEO_SPARSE",
+    "Categorical",
     "ClickBatch",
     "ClickDataset",
     "ClickLogs",
@@ -84,6 +85,8 @@ CRITEO_DENSE = 13
 """Integer (dense) features per Criteo line."""
 CRITEO_SPARSE = 26
 """Categorical (sparse) features per Criteo line."""
+Categorical = Literal["hash", "index"]
+"""How a Criteo file names a categorical value's row (see `read_criteo`)."""
 
 _SPLITS = {"train": 0, "val": 1}
 _CHUNK_LINES = 8192
@@ -416,7 +419,7 @@ class ClickDataset(_ClickSource):
         microbatches: int = 1,
         seed: int = 0,
         val_fraction: float = 0.1,
-        categorical: str = "hash",
+        categorical: Categorical = "hash",
         dense_features: int = CRITEO_DENSE,
         max_lines: int | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
@@ -518,7 +521,7 @@ def read_criteo(
     path: str | os.PathLike[str],
     table_rows: Sequence[int],
     *,
-    categorical: str = "hash",
+    categorical: Categorical = "hash",
     dense_features: int = CRITEO_DENSE,
     max_lines: int | None = None,
     chunk_lines: int = _CHUNK_LINES,
@@ -572,15 +575,15 @@ class _CriteoFormat:
     """How to parse a Criteo file (`read_criteo`'s options), checked."""
 
     table_rows: tuple[int, ...]
-    categorical: str
+    categorical: Categorical
     dense_features: int
     max_lines: int | None
 
 
 def _criteo_format(
-    table_rows: Sequence[int], categorical: str, dense_features: int, max_lines: int | None
+    table_rows: Sequence[int], categorical: Categorical, dense_features: int, max_lines: int | None
 ) -> _CriteoFormat:
-    if categorical not in ("hash", "index"):
+    if categorical not in get_args(Categorical):
         raise ValueError(f"categorical must be 'hash' or 'index', got {categorical!r}")
     rows = tuple(table_rows)
     if not rows:

@@ -24,7 +24,9 @@ import sys
 import time
 
 from parallelism import Topology
-from recovery import Trainer, TrainSpec
+from parallelism.workloads.dlrm import dlrm_spec
+from parallelism.workloads.llama_spec import llama_spec
+from recovery import Trainer
 from recovery.events import summary_table
 from recovery.faults import FailureSchedule, Kill, KillPoint
 from recovery.fingerprint import RECOMMENDED_FINGERPRINT_EVERY
@@ -210,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     dlrm = args.model == "dlrm"
     overrides: dict[str, int] = {}
     if dlrm:
-        spec = TrainSpec.dlrm(
+        spec = dlrm_spec(
             preset=args.preset or "small",
             data=args.data,
             batch_size=args.batch_size,
@@ -227,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             if value
         }
         overrides["max_seq_len"] = max(args.seq_len, 1)
-        spec = TrainSpec.llama(
+        spec = llama_spec(
             preset=args.preset or "tiny",
             data=args.data,
             seq_len=args.seq_len,

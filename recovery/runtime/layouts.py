@@ -262,7 +262,7 @@ class Zero1Shards(StateLayout):
 
 
 class ShardedTables(StateLayout):
-    """Row-sharded embedding tables (`TrainSpec.dlrm`): every worker holds one shard of
+    """Row-sharded embedding tables (`dlrm_spec`): every worker holds one shard of
     every table and a dense replica; each shard is mirrored on its ring buddy, and a lost
     shard comes back from the mirror, exact or partial (CPR). See recovery/table_worker.py."""
 
@@ -295,7 +295,7 @@ class ShardedTables(StateLayout):
             )
         if device not in (None, "cpu"):
             raise ValueError(
-                f"sharded embedding tables (TrainSpec.dlrm) train on the CPU, not on "
+                f"sharded embedding tables (dlrm_spec) train on the CPU, not on "
                 f"device {device!r}: leave device unset or 'cpu'"
             )
 
