@@ -4,21 +4,32 @@ Each raises `ValueError` naming the field and the bad value, and returns the val
 ``__post_init__`` reads as a list of checks. ``bool`` is never accepted as a number (it is
 an ``int`` subclass, and ``True`` as a step count is always a mistake); integers of
 other kinds (``numpy.int64``, any ``numbers.Integral``) are, as data coordinates often
-come from arrays.
+come from arrays. Nor is anything but ``True`` or ``False`` a flag (`check_bool`): a string
+``"no"`` or ``"false"`` from a file or a flag is truthy. A choice is one of a fixed set of
+strings (`check_choice`, the runtime side of a ``Literal`` annotation), and a setting by a
+name it no longer has is refused with its new name (`check_renamed`), so that a user's
+code, TOML table or flag never silently loses a value.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
 __all__ = [
+    "check_bool",
+    "check_choice",
     "check_fraction",
     "check_index",
     "check_int",
     "check_number",
     "check_positive_int",
+    "check_renamed",
 ]
+
+_T = TypeVar("_T")
 
 
 def _is_int(value: object) -> bool:
@@ -116,3 +127,55 @@ def check_fraction(
         lo, hi = "(" if open_low else "[", ")" if open_high else "]"
         raise ValueError(f"{name} must be in {lo}0, 1{hi}, got {value!r}")
     return float(value)  # type: ignore[arg-type]
+
+
+def check_bool(name: str, value: object) -> bool:
+    """``value`` as a flag: ``True`` or ``False`` only (not ``"no"``, ``"false"``, 0 or 1).
+
+    Raises:
+        ValueError: naming ``name`` and ``value``.
+    """
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def check_choice(name: str, value: Any, choices: Iterable[_T], *, optional: bool = False) -> _T:
+    """``value`` as one of ``choices`` (None allowed when ``optional``): the runtime check
+    of a field annotated with a ``Literal`` (``typing.get_args`` gives its choices) or an
+    enum (its members, which compare equal to their values when they are strings).
+
+    Raises:
+        ValueError: naming ``name``, ``value`` and every allowed value.
+    """
+    allowed = tuple(choices)
+    if optional and value is None:
+        return value  # type: ignore[return-value]
+    if isinstance(value, str | int | float | bool | None) and value in allowed:
+        return value
+    spelled = ", ".join(repr(getattr(c, "value", c)) for c in allowed)
+    extra = " or None" if optional else ""
+    raise ValueError(f"{name} must be one of {spelled}{extra}; got {value!r}")
+
+
+def check_renamed(
+    keys: Iterable[str],
+    where: str,
+    renamed: Mapping[str, str],
+    *,
+    spell: Callable[[str], str] | None = None,
+) -> None:
+    """Refuse settings by their old names: a keyword argument, or a key of a user's TOML or
+    JSON file. ``renamed`` maps each old name to its new one; ``spell(new)``, if given,
+    says how to write the new one where ``where`` is read.
+
+    Raises:
+        ValueError: naming each old key, its new name, and ``where`` it was found.
+    """
+    old = [key for key in keys if key in renamed]
+    if old:
+        renames = ", ".join(
+            f"{key!r} is now {renamed[key]!r}" + (f" ({spell(renamed[key])})" if spell else "")
+            for key in old
+        )
+        raise ValueError(f"renamed key(s) in {where}: {renames}")

@@ -28,22 +28,28 @@ worker resolves it on its own process (`compute_device`), since only there does
 from __future__ import annotations
 
 import os
+from typing import Literal, get_args
 
 import torch
 
 __all__ = [
+    "BACKENDS",
     "CUBLAS_WORKSPACE",
     "DEVICES",
+    "Backend",
+    "Device",
     "check_device",
     "compute_device",
     "deterministic_cuda",
     "wire_device",
 ]
 
-DEVICES = ("cpu", "cuda")
+Backend = Literal["gloo", "nccl"]
+"""The communication backends: Gloo (CPU, or CUDA staged through host memory) or NCCL."""
+BACKENDS: tuple[Backend, ...] = get_args(Backend)
+Device = Literal["cpu", "cuda"]
 """The compute devices a user can ask for (``None``: the backend's own)."""
-
-_BACKENDS = ("gloo", "nccl")
+DEVICES: tuple[Device, ...] = get_args(Device)
 
 CUBLAS_WORKSPACE = ":4096:8"
 """``CUBLAS_WORKSPACE_CONFIG`` for deterministic cuBLAS (what torch's reproducibility notes
@@ -61,8 +67,8 @@ def check_device(backend: str, device: str | None, *, cuda_available: bool | Non
             ``device="cpu"`` (NCCL moves only GPU memory), or ``"cuda"`` on a machine
             without CUDA.
     """
-    if backend not in _BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {_BACKENDS}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
     if device is None:
         return
     if device not in DEVICES:
@@ -93,7 +99,7 @@ def compute_device(backend: str, device: str | None) -> torch.device:
 
     Raises:
         ValueError: as `check_device`, and for ``cuda`` when this process sees no GPU (a
-            Ray worker that asked for none: see `recovery.resources.worker_ask`).
+            Ray worker that asked for none: see `recovery.groups.resources.worker_ask`).
     """
     check_device(backend, device)
     if device is None:
@@ -121,7 +127,7 @@ def wire_device(backend: str, compute: torch.device) -> torch.device:
         if compute.type != "cuda":
             raise ValueError(f"backend 'nccl' needs a CUDA compute device, got {compute}")
         return compute
-    raise ValueError(f"unknown backend {backend!r}; choose one of {_BACKENDS}")
+    raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
 
 
 def deterministic_cuda(environ: dict[str, str] | os._Environ[str] | None = None) -> bool:

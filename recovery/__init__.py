@@ -23,11 +23,11 @@ Bottom layer first (tests/test_layers.py holds the order; nothing imports upward
 """
 
 from parallelism.datasets import batches_from_dataset
+from parallelism.spec import TrainSpec
 from recovery.errors import RecoveryError, RedundancyExhausted
 from recovery.events import RecoveryEvent
 from recovery.faults import BitFlip, Corrupt, FailureSchedule, Hang, Kill, KillNode, KillPoint
-from recovery.policy import RecoveryPolicy
-from recovery.spec import TrainSpec
+from recovery.policy import MirrorPolicy, RecoveryPolicy, RestartBaseline, SnapshotPolicy, Timeouts
 from recovery.strategies.checkfree import CheckFreeConfig
 from recovery.trainer import FitResult, Trainer
 
@@ -41,10 +41,14 @@ __all__ = [
     "Kill",
     "KillNode",
     "KillPoint",
+    "MirrorPolicy",
     "RecoveryError",
     "RecoveryEvent",
     "RecoveryPolicy",
     "RedundancyExhausted",
+    "RestartBaseline",
+    "SnapshotPolicy",
+    "Timeouts",
     "TrainSpec",
     "Trainer",
     "batches_from_dataset",

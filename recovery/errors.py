@@ -13,7 +13,7 @@ class RedundancyExhausted(RecoveryError):
 
 class PlacementFailed(RecoveryError):
     """Workers found no room on any node they may run on within
-    ``RecoveryPolicy(replace_timeout_s=...)`` (at the start or for a replacement).
+    ``RecoveryPolicy.timeouts.replace`` (at the start or for a replacement).
 
     The message names each worker and why (its node is gone, full, or can never hold a
     worker's `Trainer(worker_resources=...)`); ``unplaced`` maps each rank to that reason.

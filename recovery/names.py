@@ -4,13 +4,16 @@ The values are the strings written to ``events.jsonl`` and accepted on the comma
 so they never change; this is the only module that spells them (the planner, the policy,
 the runtime's executor, events, the command line and every simulator use these members).
 `Mode` is what a policy chooses between, a vocabulary of its own that shares the word
-``restart`` with `Strategy`.
+``restart`` with `Strategy`. `ModeName` and `StrategyName` are the same values as
+``Literal`` types, for configs that take the names as strings (`RecoveryPolicy.strategy`,
+``allowed``); this module checks, on import, that they list exactly the members' values.
 """
 
 from __future__ import annotations
 
 import enum
 import sys
+from typing import Literal, get_args
 
 if sys.version_info >= (3, 11):
     from enum import StrEnum
@@ -23,7 +26,16 @@ else:  # pragma: no cover - Python 3.10
             return str(self.value)
 
 
-__all__ = ["APPROXIMATE", "FailureCause", "Mode", "StrEnum", "Strategy", "Tier"]
+__all__ = [
+    "APPROXIMATE",
+    "FailureCause",
+    "Mode",
+    "ModeName",
+    "StrEnum",
+    "Strategy",
+    "StrategyName",
+    "Tier",
+]
 
 
 class Strategy(StrEnum):
@@ -104,3 +116,24 @@ class FailureCause(StrEnum):
     """Nothing failed: spares are ready for the workers a shrink left out."""
     DRIVER_RESTARTED = "driver restarted"
     """The driver died and a new one resumed from a durable snapshot."""
+
+
+ModeName = Literal["auto", "restart"]
+"""A `Mode` by its value."""
+StrategyName = Literal[
+    "replica_copy",
+    "shard_mirror",
+    "neighbor_average",
+    "edge_copy",
+    "embedding_partial",
+    "rollback",
+    "restart",
+    "replica_vote",
+    "shrink",
+    "grow",
+]
+"""A `Strategy` by its value."""
+
+# The Literals are for type checkers, the enums the vocabulary: they must never drift apart.
+assert get_args(ModeName) == tuple(m.value for m in Mode), "ModeName != Mode"
+assert get_args(StrategyName) == tuple(s.value for s in Strategy), "StrategyName != Strategy"

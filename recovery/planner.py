@@ -268,7 +268,7 @@ def _why_mirror(
     stale = [str(topology.worker(t)) for t in targets if redundancy.mirror_stale.get(t, False)]
     if stale and not _partial_allowed(redundancy, policy):
         why = (
-            f"a portion of lost samples of {redundancy.pls:.4f} exceeds pls_budget "
+            f"a portion of lost samples of {redundancy.pls:.4f} exceeds mirrors.pls_budget "
             f"{policy.mirrors.pls_budget}"
             if policy.mirrors.embedding == "partial" and not policy.exact_only
             else f"the policy (embedding={policy.mirrors.embedding!r}) demands exact rows"
@@ -382,7 +382,8 @@ def _rollback(
     if peer is None and durable is None:
         raise RedundancyExhausted(
             f"no allowed source: {reason}, and no snapshot survives for every worker "
-            "(enable snapshot_every / durable_every, or keep a worker's snapshot buddy alive)."
+            "(enable snapshots.peer_every / snapshots.durable_every, or keep a worker's "
+            "snapshot buddy alive)."
         )
     if peer is not None and (durable is None or peer >= durable):
         actions = []

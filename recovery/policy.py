@@ -5,31 +5,44 @@ approximations, a strategy allow-list, spares, a recovery budget) and nests one 
 concern: `SnapshotPolicy` (the peer and durable tiers), `MirrorPolicy` (embedding shard
 mirrors and partial recovery), `CheckFreeConfig` (approximate rebuilds), `RestartBaseline`
 (the baseline's checkpoints) and `Timeouts` (every wait the runtime makes). Each knob has
-one home; the flat keyword arguments of earlier versions (``snapshot_every=``,
-``mirror_every=``, ``hang_timeout_s=``, ...) are still accepted by the constructor and land
-in their part (`FLAT_NAMES`).
+one home and one spelling: the flat keyword arguments of earlier versions
+(``snapshot_every=``, ``mirror_every=``, ``hang_timeout_s=``, ...) are refused, naming their
+home (`RENAMED`), the way `parallelism.checks.check_renamed` refuses any config's old keys.
+A part is given as its config object or as a mapping of its fields (a TOML table:
+``[policies.restart.baseline] checkpoint_every = 20``). Every choice among fixed strings is
+a ``Literal`` whose values the constructor checks, naming the allowed ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from parallelism.checks import check_fraction, check_int, check_number, check_positive_int
-from recovery.names import Mode, Strategy
+from parallelism.checks import (
+    check_bool,
+    check_choice,
+    check_fraction,
+    check_int,
+    check_number,
+    check_positive_int,
+    check_renamed,
+)
+from recovery.names import Mode, ModeName, Strategy, StrategyName
 
 if TYPE_CHECKING:
     from recovery.strategies.checkfree import CheckFreeConfig
-    from recovery.strategies.embedding import MirrorPlan
+    from recovery.strategies.embedding import EmbeddingPolicy, MirrorPlan
 
 __all__ = [
     "APPROXIMATIONS",
-    "FLAT_NAMES",
     "MODES",
+    "RENAMED",
     "STRATEGY_NAMES",
+    "Approximation",
     "MirrorPolicy",
     "RecoveryPolicy",
     "RestartBaseline",
@@ -37,19 +50,20 @@ __all__ = [
     "Timeouts",
 ]
 
-MODES = tuple(m.value for m in Mode)
+MODES: tuple[ModeName, ...] = get_args(ModeName)
 """``RecoveryPolicy.strategy``: the recovery hierarchy, or the restart baseline (`Mode`)."""
-APPROXIMATIONS = (None, "checkfree", "checkfree+")
-STRATEGY_NAMES = tuple(s.value for s in Strategy if s is not Strategy.RESTART)
+Approximation = Literal["checkfree", "checkfree+"]
+"""``RecoveryPolicy.approximate``: CheckFree (intermediate stages), or CheckFree+ (every stage)."""
+APPROXIMATIONS: tuple[Approximation | None, ...] = (None, *get_args(Approximation))
+STRATEGY_NAMES: tuple[StrategyName, ...] = tuple(
+    name for name in get_args(StrategyName) if name != Strategy.RESTART
+)
 """The recovery strategies a policy can allow (see docs/DESIGN.md, Recovery hierarchy)."""
 
 
 def _name(part: type, attr: str) -> str:
-    """How a knob is named in errors: its flat keyword and its home, e.g.
-    ``snapshot_every (snapshots.peer_every)``."""
-    home = f"{_PART_OF[part]}.{attr}"
-    flat = next((f for f, where in FLAT_NAMES.items() if where == home), None)
-    return f"{flat} ({home})" if flat else home
+    """How a knob is named in errors: its home, e.g. ``snapshots.peer_every``."""
+    return f"{_PART_OF[part]}.{attr}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,13 +95,13 @@ class SnapshotPolicy:
 
 @dataclass(frozen=True, kw_only=True)
 class MirrorPolicy:
-    """Embedding tables (`TrainSpec.dlrm`): shard mirrors and partial recovery (CPR).
+    """Embedding tables (`dlrm_spec`): shard mirrors and partial recovery (CPR).
 
     Raises:
         ValueError: naming the bad field and value.
     """
 
-    embedding: str = "partial"
+    embedding: EmbeddingPolicy = "partial"
     """How a lost shard may come back when some of its rows have no current copy.
     ``"partial"`` (CPR): restore those rows stale from the mirror's last full copy while
     the portion of lost samples stays within ``pls_budget``, survivors keep training;
@@ -107,10 +121,7 @@ class MirrorPolicy:
     def __post_init__(self) -> None:
         from recovery.strategies.embedding import EMBEDDING_POLICIES
 
-        if self.embedding not in EMBEDDING_POLICIES:
-            raise ValueError(
-                f"embedding must be one of {EMBEDDING_POLICIES}, got {self.embedding!r}"
-            )
+        check_choice(_name(MirrorPolicy, "embedding"), self.embedding, EMBEDDING_POLICIES)
         check_fraction(_name(MirrorPolicy, "pls_budget"), self.pls_budget)
         check_int(_name(MirrorPolicy, "hot_rows"), self.hot_rows, minimum=0)
         check_positive_int(_name(MirrorPolicy, "every"), self.every)
@@ -222,7 +233,7 @@ _ORDER_WHY = {
 }
 
 
-FLAT_NAMES: dict[str, str] = {
+RENAMED: dict[str, str] = {
     "snapshot_every": "snapshots.peer_every",
     "durable_every": "snapshots.durable_every",
     "snapshot_dir": "snapshots.dir",
@@ -238,7 +249,8 @@ FLAT_NAMES: dict[str, str] = {
     "replace_timeout_s": "timeouts.replace",
     "collective_timeout_s": "timeouts.collective",
 }
-"""The flat keyword arguments `RecoveryPolicy` still accepts, and the home of each."""
+"""The flat keyword arguments of earlier versions -> the home of each (``part.field``):
+`RecoveryPolicy` refuses them, naming the home."""
 
 _PARTS: dict[str, type] = {
     "snapshots": SnapshotPolicy,
@@ -247,6 +259,35 @@ _PARTS: dict[str, type] = {
     "timeouts": Timeouts,
 }
 _PART_OF = {cls: name for name, cls in _PARTS.items()}
+
+
+def _spell(home: str) -> str:
+    """How a home is written in Python: ``snapshots.peer_every`` ->
+    ``snapshots=SnapshotPolicy(peer_every=...)``."""
+    part, attr = home.split(".")
+    return f"{part}={_PARTS[part].__name__}({attr}=...)"
+
+
+def _part(name: str, cls: type, value: object) -> Any:
+    """A part of a policy from its config object or from a mapping of its fields.
+
+    Raises:
+        ValueError: for a mapping with a key that is not a field of ``cls`` (naming the
+            fields), or a value that is neither.
+    """
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(str(key) for key in value if key not in known)
+        if unknown:
+            raise ValueError(
+                f"unknown key(s) {unknown} in {name}; a {cls.__name__} has {', '.join(known)}"
+            )
+        return cls(**value)
+    raise ValueError(
+        f"{name} must be a {cls.__name__} or a mapping of its fields, got {type(value).__name__}"
+    )
 
 
 def _default_checkfree() -> CheckFreeConfig:
@@ -259,29 +300,34 @@ def _default_checkfree() -> CheckFreeConfig:
 class RecoveryPolicy:
     """How failures are handled (see the module docstring).
 
-    Accepts, besides its fields, the flat keyword arguments in `FLAT_NAMES`, e.g.
-    ``RecoveryPolicy(snapshot_every=10)`` is ``RecoveryPolicy(snapshots=SnapshotPolicy(
-    peer_every=10))``.
+    Each part (``checkfree``, ``snapshots``, ``mirrors``, ``baseline``, ``timeouts``) is its
+    config object or a mapping of its fields: ``RecoveryPolicy(snapshots={"peer_every": 10})``
+    is ``RecoveryPolicy(snapshots=SnapshotPolicy(peer_every=10))``.
 
     Raises:
-        ValueError: naming the bad field and value.
-        TypeError: for an unknown keyword argument.
+        ValueError: naming the bad field and value and, for a choice, the allowed values;
+            for a keyword argument by its old name (`RENAMED`), naming its home, e.g.
+            ``renamed key(s) in RecoveryPolicy: 'snapshot_every' is now
+            'snapshots.peer_every' (snapshots=SnapshotPolicy(peer_every=...))``; for an
+            unknown keyword argument, or an unknown key in a part given as a mapping,
+            naming the known ones.
     """
 
-    strategy: str = Mode.AUTO.value
+    strategy: ModeName = Mode.AUTO.value
     """``"auto"``: the recovery hierarchy (rebuild lost workers from live redundancy, roll
     back only when it is exhausted). ``"restart"``: the baseline torchrun and Ray Train
     implement -- tear down every worker, start new ones, load the last checkpoint, redo the
     lost steps."""
-    approximate: str | None = None
+    approximate: Approximation | None = None
     """Approximate rebuilds of a stage that lost every replica: ``None`` (never),
     ``"checkfree"`` (intermediate stages, from their neighbours), ``"checkfree+"`` (also the
     first and last stages; trains with swapped routes and (de)embedding replicas)."""
     exact_only: bool = False
     """Never rebuild approximately, whatever ``approximate`` says: exhausted redundancy
     means rollback."""
-    allowed: tuple[str, ...] | None = None
-    """Restrict the strategies the planner may use (names in `STRATEGY_NAMES`); None: all."""
+    allowed: tuple[StrategyName, ...] | None = None
+    """Restrict the strategies the planner may use (names in `STRATEGY_NAMES`; any collection
+    of them, or one name alone, stored as a tuple); None: all."""
     hot_spares: int = 0
     """Warm spare workers kept ready (torch imported, stage modules built) to replace dead
     ones without a cold start."""
@@ -317,52 +363,56 @@ class RecoveryPolicy:
     timeouts: Timeouts = field(default_factory=Timeouts)
     """Every wait of the runtime."""
 
+    # A hand-written constructor, only to refuse the old flat names with their home: the
+    # generated one would reject them as unexpected, without saying where they went.
     def __init__(self, **kwargs: Any) -> None:
-        names = {f.name for f in dataclasses.fields(RecoveryPolicy)}
-        unknown = sorted(kwargs.keys() - names - FLAT_NAMES.keys())
+        check_renamed(kwargs, "RecoveryPolicy", RENAMED, spell=_spell)
+        fields = dataclasses.fields(RecoveryPolicy)
+        unknown = sorted(kwargs.keys() - {f.name for f in fields})
         if unknown:
-            raise TypeError(f"RecoveryPolicy got unknown keyword arguments {unknown}")
-        flat: dict[str, dict[str, Any]] = {}
-        for key, home in FLAT_NAMES.items():
-            if key in kwargs:
-                part, attr = home.split(".")
-                flat.setdefault(part, {})[attr] = kwargs.pop(key)
-        for f in dataclasses.fields(RecoveryPolicy):
+            raise ValueError(
+                f"RecoveryPolicy got unknown keyword arguments {unknown}; its fields are "
+                f"{', '.join(f.name for f in fields)}"
+            )
+        for f in fields:
             if f.name in kwargs:
                 value = kwargs[f.name]
             elif f.default is not dataclasses.MISSING:
                 value = f.default
             else:
                 value = f.default_factory()  # type: ignore[operator]
-            if f.name in flat:
-                value = dataclasses.replace(value, **flat[f.name])
             object.__setattr__(self, f.name, value)
         self.__post_init__()
 
     def __post_init__(self) -> None:
-        if self.strategy not in MODES:
-            raise ValueError(f"unknown recovery strategy {self.strategy!r}; choose one of {MODES}")
-        if self.approximate not in APPROXIMATIONS:
-            raise ValueError(
-                f"approximate must be one of {APPROXIMATIONS}, got {self.approximate!r}"
-            )
+        from recovery.strategies.checkfree import CheckFreeConfig
+
+        check_choice("strategy", self.strategy, MODES)
+        object.__setattr__(self, "strategy", Mode(self.strategy).value)
+        check_choice("approximate", self.approximate, APPROXIMATIONS)
+        check_bool("exact_only", self.exact_only)
         if self.allowed is not None:
-            unknown = sorted(set(self.allowed) - set(STRATEGY_NAMES))
+            # One name alone is that name, never the collection of its letters.
+            names = (self.allowed,) if isinstance(self.allowed, str) else self.allowed
+            if not isinstance(names, Iterable):
+                raise ValueError(
+                    f"allowed must be a collection of strategy names or None, got {names!r}"
+                )
+            names = tuple(names)
+            unknown = sorted(str(n) for n in names if n not in STRATEGY_NAMES)
             if unknown:
                 raise ValueError(
-                    f"unknown strategies {unknown} in allowed; known: {STRATEGY_NAMES}"
+                    f"unknown strategies {unknown} in allowed; choose from "
+                    f"{', '.join(map(repr, STRATEGY_NAMES))}"
                 )
-        if not isinstance(self.elastic, bool):
-            raise ValueError(f"elastic must be True or False, got {self.elastic!r}")
+            object.__setattr__(self, "allowed", tuple(Strategy(n).value for n in names))
+        check_bool("elastic", self.elastic)
         check_int("hot_spares", self.hot_spares, minimum=0)
         check_int("max_recoveries", self.max_recoveries, minimum=0, optional=True)
         check_int("comm_retries", self.comm_retries, minimum=0)
         check_int("fingerprint_every", self.fingerprint_every, minimum=0, optional=True)
-        for name, cls in _PARTS.items():
-            if not isinstance(getattr(self, name), cls):
-                raise ValueError(
-                    f"{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}"
-                )
+        for name, cls in {"checkfree": CheckFreeConfig, **_PARTS}.items():
+            object.__setattr__(self, name, _part(name, cls, getattr(self, name)))
 
     def allows(self, strategy: str) -> bool:
         """Whether the planner may use ``strategy``."""

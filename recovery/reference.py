@@ -25,7 +25,7 @@ from torch import nn
 from parallelism.comm import Activation
 from parallelism.engine import call_stage, clip_gradients
 from parallelism.seeding import seed_everything
-from recovery.spec import Batch, TrainSpec, apply_lr_schedule
+from parallelism.spec import Batch, TrainSpec, apply_lr_schedule
 
 
 @dataclass

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 import xxhash
 
-from parallelism.comm import BACKENDS, default_backend
-from parallelism.devices import check_device
+from parallelism.checks import check_bool, check_choice, check_int
+from parallelism.comm import default_backend
+from parallelism.devices import BACKENDS, Backend, Device, check_device
+from parallelism.spec import TrainSpec
 from parallelism.topology import Topology
 from recovery.events import RecoveryEvent
 from recovery.faults import FailureSchedule
@@ -25,7 +27,6 @@ from recovery.names import FailureCause, Strategy, Tier
 from recovery.policy import RecoveryPolicy
 from recovery.rundir import RunDir, plot_loss
 from recovery.runtime import Controller, ControllerConfig, StepRecord
-from recovery.spec import TrainSpec
 from recovery.worker import WorkerInfo
 
 
@@ -130,8 +131,9 @@ class Trainer:
         topology: ``Topology(stages, replicas)``.
         policy: what to do when workers die (default: the recovery hierarchy).
         failures: faults to inject (tests, experiments, demos).
-        backend: ``"gloo"`` or ``"nccl"``; default: ``nccl`` if CUDA is available.
-        device: what each worker computes on: ``"cpu"``, ``"cuda"`` (the GPU Ray gives it),
+        backend: ``"gloo"`` or ``"nccl"`` (`Backend`); default: ``nccl`` if CUDA is available.
+        device: what each worker computes on (`Device`): ``"cpu"``, ``"cuda"`` (the GPU Ray
+            gives it),
             or None (default): the backend's own -- CPU under Gloo, the worker's GPU under
             NCCL. ``backend="gloo", device="cuda"`` computes on CUDA and communicates over
             Gloo, staged through pinned host memory: several workers may then share one
@@ -147,12 +149,13 @@ class Trainer:
             ``{"CPU": 1}`` or ``{"GPU": 1, "CPU": 4}``; other names are custom Ray
             resources. Default: no CPU (workers share a node), and one GPU under NCCL.
             With a real ask Ray sees when a node is full, and a worker that finds no room
-            within ``RecoveryPolicy(replace_timeout_s=...)`` ends the job with a
+            within ``RecoveryPolicy.timeouts.replace`` ends the job with a
             ``PlacementFailed`` naming it. Placement is unchanged: replicas of a stage
             still go to different nodes.
 
     Raises:
-        ValueError: for a bad argument; raised here, before anything starts.
+        ValueError: for a bad argument (a choice not among the allowed values, naming them;
+            a flag that is not a bool); raised here, before anything starts.
     """
 
     def __init__(
@@ -162,8 +165,8 @@ class Trainer:
         topology: Topology,
         policy: RecoveryPolicy | None = None,
         failures: FailureSchedule | None = None,
-        backend: str | None = None,
-        device: str | None = None,
+        backend: Backend | None = None,
+        device: Device | None = None,
         run_dir: str | os.PathLike[str] | None = None,
         progress: bool = False,
         eval_every: int = 0,
@@ -176,21 +179,19 @@ class Trainer:
             raise ValueError(f"spec must be a TrainSpec, got {type(spec).__name__}")
         if not isinstance(topology, Topology):
             raise ValueError(f"topology must be a Topology, got {type(topology).__name__}")
-        backend = backend or default_backend()
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
-        check_device(backend, device)
+        chosen: Backend = check_choice("backend", backend or default_backend(), BACKENDS)
+        check_device(chosen, device)
         if spec.tables is not None and device not in (None, "cpu"):
             raise ValueError(
-                f"sharded embedding tables (TrainSpec.dlrm) train on the CPU, not on "
+                f"sharded embedding tables (dlrm_spec) train on the CPU, not on "
                 f"device {device!r}: leave device unset or 'cpu'"
             )
-        for name, value in (("eval_every", eval_every), ("eval_batches", eval_batches)):
-            if value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
-        if threads_per_worker < 1:
-            raise ValueError(f"threads_per_worker must be >= 1, got {threads_per_worker}")
-        resources = worker_ask(worker_resources, backend, device)
+        check_int("eval_every", eval_every, minimum=0)
+        check_int("eval_batches", eval_batches, minimum=0)
+        check_int("threads_per_worker", threads_per_worker, minimum=1)
+        check_bool("progress", progress)
+        check_bool("collect_states", collect_states)
+        resources = worker_ask(worker_resources, chosen, device)
         policy = RecoveryPolicy() if policy is None else policy
         if not isinstance(policy, RecoveryPolicy):
             raise ValueError(f"policy must be a RecoveryPolicy, got {type(policy).__name__}")
@@ -206,13 +207,13 @@ class Trainer:
         if policy.swapped_routes and (spec.routes != "swapped" or spec.shared_params is None):
             raise ValueError(
                 "RecoveryPolicy(approximate='checkfree+') needs a model trained for it: swapped "
-                "routes and (de)embedding replicas, e.g. TrainSpec.llama(..., checkfree_plus=True)"
+                "routes and (de)embedding replicas, e.g. llama_spec(..., checkfree_plus=True)"
             )
         self.spec = spec
         self.topology = topology
         self.policy = policy
         self.failures = failures
-        self.backend = backend
+        self.backend = chosen
         self.device = device
         self.run_dir = RunDir(run_dir) if run_dir is not None else None
         self.progress = progress
@@ -220,7 +221,7 @@ class Trainer:
         self._training: Controller | None = None
         """The job while `fit` trains (between the first generation and the last commit)."""
         self.config = ControllerConfig(
-            backend=backend,
+            backend=chosen,
             device=device,
             threads_per_worker=threads_per_worker,
             worker_resources=resources,
@@ -231,7 +232,8 @@ class Trainer:
         )
         if policy.snapshots.durable_every is not None and self.config.snapshot_dir is None:
             raise ValueError(
-                "durable_every needs a folder: set RecoveryPolicy(snapshot_dir=...) or run_dir"
+                "snapshots.durable_every needs a folder: set RecoveryPolicy(snapshots=SnapshotPolicy("
+                "dir=...)) or run_dir"
             )
 
     def fit(self, steps: int) -> FitResult:

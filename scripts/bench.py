@@ -31,6 +31,7 @@ import torch
 
 from parallelism import Topology
 from parallelism.schedule import theoretical_bubble
+from parallelism.workloads.llama_spec import llama_spec
 from recovery import Trainer, TrainSpec
 from recovery.names import Mode, Strategy
 from recovery.reference import train_reference
@@ -69,7 +70,7 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
 def model_spec(
     args: argparse.Namespace, *, schedule: str = "1f1b", microbatches: int | None = None
 ) -> TrainSpec:
-    return TrainSpec.llama(
+    return llama_spec(
         preset=args.preset,
         seq_len=args.seq_len,
         microbatch_size=args.microbatch_size,
@@ -181,17 +182,17 @@ def snapshots(args: argparse.Namespace) -> None:
     import shutil
     import tempfile
 
-    from recovery.policy import RecoveryPolicy
+    from recovery.policy import RecoveryPolicy, SnapshotPolicy
 
     spec = model_spec(args)
     top = Topology(args.stages, args.replicas)
     tmp = Path(tempfile.mkdtemp(prefix="checkfree-bench-snapshots-"))
     configs = {
-        "no snapshots": {"snapshot_every": None},
-        "peer every 50": {"snapshot_every": 50},
-        "peer every 10": {"snapshot_every": 10},
-        "durable every 100": {"snapshot_every": None, "durable_every": 100},
-        "peer every 50 + durable every 100": {"snapshot_every": 50, "durable_every": 100},
+        "no snapshots": {"peer_every": None},
+        "peer every 50": {"peer_every": 50},
+        "peer every 10": {"peer_every": 10},
+        "durable every 100": {"peer_every": None, "durable_every": 100},
+        "peer every 50 + durable every 100": {"peer_every": 50, "durable_every": 100},
     }
     warm = 5
     print(f"machine: {machine()}")
@@ -205,7 +206,9 @@ def snapshots(args: argparse.Namespace) -> None:
     for repeat in range(args.repeats):
         for index, (name, knobs) in enumerate(configs.items()):
             # a folder per run: a durable folder that already holds snapshots is resumed
-            policy = RecoveryPolicy(snapshot_dir=tmp / f"{repeat}-{index}", **knobs)
+            policy = RecoveryPolicy(
+                snapshots=SnapshotPolicy(dir=tmp / f"{repeat}-{index}", **knobs)
+            )
             result = Trainer(spec, topology=top, policy=policy, collect_states=False).fit(
                 args.steps
             )
@@ -349,7 +352,7 @@ def recovery(args: argparse.Namespace) -> None:
     import tempfile
 
     from recovery.faults import FailureSchedule, Kill, KillPoint
-    from recovery.policy import RecoveryPolicy
+    from recovery.policy import RecoveryPolicy, RestartBaseline, SnapshotPolicy
     from recovery.snapshots import buddies
 
     print(f"machine: {machine()}")
@@ -360,7 +363,7 @@ def recovery(args: argparse.Namespace) -> None:
     elastic_rows: list[list[str]] = []
     calibration: dict[str, float] = {}
     for preset in args.presets.split(","):
-        spec = TrainSpec.llama(
+        spec = llama_spec(
             preset=preset,
             seq_len=args.seq_len,
             microbatch_size=1,
@@ -391,16 +394,25 @@ def recovery(args: argparse.Namespace) -> None:
         )
         every = max(1, k - 1)  # the last snapshot lands one step before the kill
         cases = [
-            ("replica_copy, cold start", RecoveryPolicy(snapshot_every=None), [kill], k + 3),
+            (
+                "replica_copy, cold start",
+                RecoveryPolicy(snapshots=SnapshotPolicy(peer_every=None)),
+                [kill],
+                k + 3,
+            ),
             (
                 "replica_copy, warm spare",
-                RecoveryPolicy(hot_spares=1, snapshot_every=None),
+                RecoveryPolicy(hot_spares=1, snapshots=SnapshotPolicy(peer_every=None)),
                 [kill],
                 k + 3,
             ),
             (
                 "rollback, peer tier",
-                RecoveryPolicy(exact_only=True, snapshot_every=every, hot_spares=top.replicas),
+                RecoveryPolicy(
+                    exact_only=True,
+                    snapshots=SnapshotPolicy(peer_every=every),
+                    hot_spares=top.replicas,
+                ),
                 group,
                 k + 3,
             ),
@@ -408,9 +420,11 @@ def recovery(args: argparse.Namespace) -> None:
                 "rollback, durable tier",
                 RecoveryPolicy(
                     exact_only=True,
-                    snapshot_every=every,
-                    durable_every=max(1, k // 2),  # an asynchronous write needs time to land
-                    snapshot_dir=durable_dir,
+                    snapshots=SnapshotPolicy(
+                        peer_every=every,
+                        durable_every=max(1, k // 2),  # an asynchronous write needs time to land
+                        dir=durable_dir,
+                    ),
                     hot_spares=len(with_buddies),
                 ),
                 group_and_buddies,
@@ -419,7 +433,9 @@ def recovery(args: argparse.Namespace) -> None:
             (
                 f"restart, checkpoint every {args.restart_every}",
                 RecoveryPolicy(
-                    strategy=Mode.RESTART, checkpoint_every=args.restart_every, snapshot_every=None
+                    strategy=Mode.RESTART,
+                    baseline=RestartBaseline(checkpoint_every=args.restart_every),
+                    snapshots=SnapshotPolicy(peer_every=None),
                 ),
                 [restart_kill],
                 restart_kill.step + 2,
@@ -582,14 +598,14 @@ def _elastic_rows(
     """The same kill with a cold replacement, without and with an elastic shrink, one after
     the other: the survivors' stall and the time until the job is at full strength again."""
     from recovery.faults import FailureSchedule
-    from recovery.policy import RecoveryPolicy
+    from recovery.policy import RecoveryPolicy, SnapshotPolicy
 
     rows = []
     for name, elastic in (("wait for it", False), ("elastic shrink", True)):
         result = Trainer(
             spec,
             topology=top,
-            policy=RecoveryPolicy(snapshot_every=None, elastic=elastic),
+            policy=RecoveryPolicy(snapshots=SnapshotPolicy(peer_every=None), elastic=elastic),
             failures=FailureSchedule([kill]),  # type: ignore[list-item]
             collect_states=False,
             backend=args.backend,
@@ -706,11 +722,11 @@ def _step_times(spec: TrainSpec, top: Topology, every: int | None, steps: int) -
     """Seconds of each committed step of a failure-free job over worker threads (no Ray:
     the same workers, controller and Gloo groups, without Ray's start-up), by step."""
     from recovery.groups import ThreadWorkerGroup
-    from recovery.policy import RecoveryPolicy
+    from recovery.policy import RecoveryPolicy, SnapshotPolicy
     from recovery.runtime import Controller, ControllerConfig
     from recovery.runtime.layouts import layout_for
 
-    policy = RecoveryPolicy(fingerprint_every=every, snapshot_every=None)
+    policy = RecoveryPolicy(fingerprint_every=every, snapshots=SnapshotPolicy(peer_every=None))
     nodes = [f"node-{i}" for i in range(top.replicas)]
     group = ThreadWorkerGroup(layout_for(spec, top, policy, 1).worker_cls, nodes=nodes)
     controller = Controller(spec, top, ControllerConfig(backend="gloo"), policy=policy, group=group)

@@ -48,7 +48,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from parallelism import Topology
-from recovery import FitResult, RecoveryPolicy, Trainer, TrainSpec
+from recovery import FitResult, RecoveryPolicy, SnapshotPolicy, Trainer, TrainSpec
 from recovery.faults import ChaosMonkey, KillRecord, kill_schedule
 from recovery.names import Strategy
 from recovery.reference import differences, relative_difference
@@ -267,9 +267,11 @@ def segment(
     policy = RecoveryPolicy(
         hot_spares=args.hot_spares,
         elastic=args.elastic,
-        snapshot_every=args.snapshot_every or None,
-        durable_every=args.durable_every or None,
-        snapshot_dir=folder.name if args.durable_every else None,
+        snapshots=SnapshotPolicy(
+            peer_every=args.snapshot_every or None,
+            durable_every=args.durable_every or None,
+            dir=folder.name if args.durable_every else None,
+        ),
     )
     trainer = Trainer(spec(args.seed, args.model), topology=top, policy=policy)
     monkey = ChaosMonkey(

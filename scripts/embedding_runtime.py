@@ -3,7 +3,7 @@
     python scripts/embedding_runtime.py            # small DLRM, 4 workers, 1500 steps, 6 kills (~10 min)
     python scripts/embedding_runtime.py --preset tiny --steps 60 --failures 2 --heldout 2000
 
-The same model (`TrainSpec.dlrm`), data and failure schedule (real worker processes killed
+The same model (`dlrm_spec`), data and failure schedule (real worker processes killed
 with SIGKILL) under each recovery policy: no failures; full rollback to a peer snapshot
 taken every Young-interval steps (the interval from this machine's measured snapshot cost
 and failure rate); CPR -- a lost shard restored from its neighbour's full copy, refreshed
@@ -39,11 +39,12 @@ from parallelism.workloads.dlrm import (
     DenseDLRM,
     ShardLayout,
     assemble_tables,
+    dlrm_spec,
     log_loss,
     predict_unsharded,
     roc_auc,
 )
-from recovery import FitResult, RecoveryPolicy, Trainer, TrainSpec
+from recovery import FitResult, MirrorPolicy, RecoveryPolicy, SnapshotPolicy, Trainer, TrainSpec
 from recovery.faults import FailureSchedule
 from recovery.names import Strategy
 from simulations.embedding import failure_schedule
@@ -171,16 +172,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     try:
-        spec = TrainSpec.dlrm(preset=args.preset, batch_size=args.batch_size, seed=args.seed)
+        spec = dlrm_spec(preset=args.preset, batch_size=args.batch_size, seed=args.seed)
         topology = Topology(1, args.workers)
         spec.check(topology)
         failures = failure_schedule(
             steps=args.steps, workers=args.workers, failures=args.failures, seed=args.failure_seed
         )
         RecoveryPolicy(
-            mirror_hot_rows=args.hot_rows,
-            mirror_every=args.mirror_every,
-            pls_budget=args.pls_budget,
+            mirrors=MirrorPolicy(
+                hot_rows=args.hot_rows, every=args.mirror_every, pls_budget=args.pls_budget
+            )
         )
     except ValueError as err:
         parser.error(str(err))
@@ -195,8 +196,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             spec, topology=topology, policy=policy, failures=faults, progress=not args.quiet
         ).fit(args.steps)
 
-    quiet = {"mirror_hot_rows": 0, "mirror_every": NEVER}  # the per-step row counts only
-    base = fit("no failures", RecoveryPolicy(snapshot_every=50, **quiet), FailureSchedule())
+    quiet = MirrorPolicy(hot_rows=0, every=NEVER)  # the per-step row counts only
+    base = fit(
+        "no failures",
+        RecoveryPolicy(snapshots=SnapshotPolicy(peer_every=50), mirrors=quiet),
+        FailureSchedule(),
+    )
     step_s = base.wall_s / args.steps
     snapshot_s = sum(base.timings.get("snapshot_write", [0.0])) / max(
         1, len(base.timings.get("snapshot_write", []))
@@ -208,18 +213,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"Young interval {young} steps",
         flush=True,
     )
+    snapshots = SnapshotPolicy(peer_every=young)
     runs = [
         ("no failures", base),
         (f"full rollback (snapshot every {young})", fit("full rollback", RecoveryPolicy(
-            allowed=(Strategy.ROLLBACK,), snapshot_every=young, **quiet), failures)),
+            allowed=(Strategy.ROLLBACK,), snapshots=snapshots, mirrors=quiet), failures)),
         (f"CPR (full copy every {args.mirror_every})", fit("CPR", RecoveryPolicy(
-            snapshot_every=young, mirror_hot_rows=0, mirror_every=args.mirror_every,
-            pls_budget=args.pls_budget), failures)),
+            snapshots=snapshots, mirrors=MirrorPolicy(
+                hot_rows=0, every=args.mirror_every, pls_budget=args.pls_budget)), failures)),
         (f"CPR + {args.hot_rows} MFU rows/step", fit("CPR + MFU", RecoveryPolicy(
-            snapshot_every=young, mirror_hot_rows=args.hot_rows, mirror_every=args.mirror_every,
-            pls_budget=args.pls_budget), failures)),
+            snapshots=snapshots, mirrors=MirrorPolicy(
+                hot_rows=args.hot_rows, every=args.mirror_every, pls_budget=args.pls_budget)),
+            failures)),
         ("exact mirrors (every row every step)", fit("exact", RecoveryPolicy(
-            snapshot_every=young, mirror_every=1, embedding="exact"), failures)),
+            snapshots=snapshots, mirrors=MirrorPolicy(every=1, embedding="exact")), failures)),
     ]  # fmt: skip
     rows = [summarize(name, r, base, spec, args) for name, r in runs]
     text = table(rows)

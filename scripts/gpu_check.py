@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from parallelism import Topology  # noqa: E402
 from parallelism.devices import deterministic_cuda  # noqa: E402
-from recovery import FailureSchedule, Hang, Kill, KillPoint, RecoveryPolicy, Trainer  # noqa: E402
+from recovery import FailureSchedule, Hang, Kill, KillPoint, RecoveryPolicy, Timeouts, Trainer  # noqa: E402
 from recovery.reference import train_reference  # noqa: E402
 from tests.workloads import mlp_spec  # noqa: E402
 
@@ -139,7 +139,7 @@ def check_kill(mode: Mode, clean: object, at: KillPoint) -> tuple[bool, str]:
 def check_hang(mode: Mode, clean: object) -> tuple[bool, str]:
     failures = FailureSchedule([Hang(step=3, stage=1, replica=1, at=KillPoint.MID_PIPELINE)])
     start = time.monotonic()
-    run = _fit(mode, failures, hang_timeout_s=5.0)
+    run = _fit(mode, failures, timeouts=Timeouts(hang=5.0))
     events = run.events  # type: ignore[attr-defined]
     hung = [e for e in events if getattr(e, "cause", "") == "hung"]
     same = _equal_states(run, clean)

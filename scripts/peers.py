@@ -338,7 +338,15 @@ def _process(cmd: list[str], output: Path, env: dict[str, str] | None = None):  
 
 def run_checkfree(width: int, spares: int, out: Path) -> tuple[float, float]:
     from parallelism import Topology
-    from recovery import FailureSchedule, Kill, KillPoint, RecoveryPolicy, Trainer, TrainSpec
+    from recovery import (
+        FailureSchedule,
+        Kill,
+        KillPoint,
+        RecoveryPolicy,
+        SnapshotPolicy,
+        Trainer,
+        TrainSpec,
+    )
     from recovery.groups.pool import POOL
 
     # Fresh worker processes, as the peers' runs have: not ones parked by the run before,
@@ -357,7 +365,7 @@ def run_checkfree(width: int, spares: int, out: Path) -> tuple[float, float]:
     result = Trainer(
         spec,
         topology=Topology(1, 2),
-        policy=RecoveryPolicy(hot_spares=spares, snapshot_every=None),
+        policy=RecoveryPolicy(hot_spares=spares, snapshots=SnapshotPolicy(peer_every=None)),
         failures=FailureSchedule([kill]),
         collect_states=False,
     ).fit(KILL_AFTER + AFTER_KILL)

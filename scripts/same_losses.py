@@ -41,7 +41,19 @@ def _jobs() -> dict[str, Callable[[], tuple[Any, Any]]]:
     from torch import nn
 
     from parallelism import Topology
-    from recovery import FailureSchedule, Kill, KillPoint, RecoveryPolicy, Trainer, TrainSpec
+    from parallelism.workloads.dlrm import dlrm_spec
+    from parallelism.workloads.llama_spec import llama_spec
+    from recovery import (
+        FailureSchedule,
+        Kill,
+        KillPoint,
+        MirrorPolicy,
+        RecoveryPolicy,
+        RestartBaseline,
+        SnapshotPolicy,
+        Trainer,
+        TrainSpec,
+    )
     from recovery.names import Mode
 
     def stage(s: int, n: int) -> nn.Module:
@@ -69,7 +81,7 @@ def _jobs() -> dict[str, Callable[[], tuple[Any, Any]]]:
 
     return {
         "llama_2x2_replica_copy": lambda: run(
-            TrainSpec.llama(preset="tiny", seq_len=32, microbatch_size=2, max_bytes=2_000_000),
+            llama_spec(preset="tiny", seq_len=32, microbatch_size=2, max_bytes=2_000_000),
             Topology(2, 2),
             RecoveryPolicy(),
             Kill(step=3, stage=1, replica=0, at=KillPoint.MID_PIPELINE),
@@ -77,13 +89,13 @@ def _jobs() -> dict[str, Callable[[], tuple[Any, Any]]]:
         "mlp_3x1_checkfree": lambda: run(
             mlp,
             Topology(3, 1),
-            RecoveryPolicy(approximate="checkfree", snapshot_every=None),
+            RecoveryPolicy(approximate="checkfree", snapshots=SnapshotPolicy(peer_every=None)),
             Kill(step=4, stage=1, replica=0),
         ),
         "mlp_2x2_peer_rollback": lambda: run(
             mlp,
             Topology(2, 2),
-            RecoveryPolicy(snapshot_every=2),
+            RecoveryPolicy(snapshots=SnapshotPolicy(peer_every=2)),
             Kill(step=5, stage=1, replica=0),
             Kill(step=5, stage=1, replica=1),
         ),
@@ -91,15 +103,15 @@ def _jobs() -> dict[str, Callable[[], tuple[Any, Any]]]:
             zero, Topology(1, 2), RecoveryPolicy(), Kill(step=3, stage=0, replica=1)
         ),
         "dlrm_1x4_shard_mirror": lambda: run(
-            TrainSpec.dlrm(preset="tiny", batch_size=16, seed=3),
+            dlrm_spec(preset="tiny", batch_size=16, seed=3),
             Topology(1, 4),
-            RecoveryPolicy(mirror_every=1),
+            RecoveryPolicy(mirrors=MirrorPolicy(every=1)),
             Kill(step=3, stage=0, replica=2),
         ),
         "mlp_2x1_restart": lambda: run(
             mlp,
             Topology(2, 1),
-            RecoveryPolicy(strategy=Mode.RESTART, checkpoint_every=2),
+            RecoveryPolicy(strategy=Mode.RESTART, baseline=RestartBaseline(checkpoint_every=2)),
             Kill(step=5, stage=0, replica=0),
         ),
     }

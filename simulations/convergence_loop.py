@@ -17,7 +17,7 @@ from parallelism.workloads.llama import (
 from recovery.errors import RedundancyExhausted
 from recovery.names import APPROXIMATE, Strategy
 from recovery.planner import RecoveryPlan, Redundancy, plan
-from recovery.policy import RecoveryPolicy
+from recovery.policy import RecoveryPolicy, SnapshotPolicy
 from recovery.strategies.checkfree import (
     CheckFreeConfig,
 )
@@ -271,9 +271,15 @@ so there is nothing to plan)."""
 _REINIT = "reinit"
 
 _POLICIES = {
-    SimulatedPolicy.CHECKFREE: RecoveryPolicy(approximate="checkfree", snapshot_every=None),
-    SimulatedPolicy.CHECKFREE_PLUS: RecoveryPolicy(approximate="checkfree+", snapshot_every=None),
-    SimulatedPolicy.CHECKPOINT: RecoveryPolicy(exact_only=True, snapshot_every=None),
+    SimulatedPolicy.CHECKFREE: RecoveryPolicy(
+        approximate="checkfree", snapshots=SnapshotPolicy(peer_every=None)
+    ),
+    SimulatedPolicy.CHECKFREE_PLUS: RecoveryPolicy(
+        approximate="checkfree+", snapshots=SnapshotPolicy(peer_every=None)
+    ),
+    SimulatedPolicy.CHECKPOINT: RecoveryPolicy(
+        exact_only=True, snapshots=SnapshotPolicy(peer_every=None)
+    ),
 }
 """The runtime policy each simulated policy is: the planner decides for both."""
 

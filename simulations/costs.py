@@ -17,8 +17,9 @@ a 10 Gb/s link is ``1.25e9``; a count of steps ``<what>_steps``. The shared fiel
 blocking write of one durable checkpoint / loading it after a failure), ``detect_s``
 (death -> the controller acts), ``replace_s`` (a replacement started and joined) and
 ``transfer_bytes_per_s`` (worker-to-worker state copies). A name a model used before it
-was unified is refused with its new one (:data:`RENAMED`, :func:`check_renamed`), so a
-user's TOML table, calibration file or flag never silently loses a value.
+was unified is refused with its new one (:data:`RENAMED`; `parallelism.checks.check_renamed`,
+which `recovery.policy.RecoveryPolicy` uses too), so a user's TOML table, calibration file
+or flag never silently loses a value.
 
 The module also holds the checkpoint theory the cluster simulator is validated against:
 Young's and Daly's optimal intervals and the expected fraction of wall time that
@@ -30,11 +31,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
+from parallelism.checks import check_renamed
 from simulations.policies import SimulatedPolicy
 
 if TYPE_CHECKING:
@@ -60,18 +62,6 @@ RENAMED: Mapping[str, str] = {
     "bandwidth_bytes_per_s": "transfer_bytes_per_s",
 }
 """Cost fields renamed so that every model spells a quantity one way: old -> new."""
-
-
-def check_renamed(keys: Iterable[str], where: str, renamed: Mapping[str, str] = RENAMED) -> None:
-    """Refuse fields by their old names (a user's TOML or JSON file).
-
-    Raises:
-        ValueError: naming each old key, its new name, and ``where`` it was found.
-    """
-    old = [key for key in keys if key in renamed]
-    if old:
-        renames = ", ".join(f"{key!r} is now {renamed[key]!r}" for key in old)
-        raise ValueError(f"renamed key(s) in {where}: {renames}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,7 +18,7 @@ from parallelism.workloads.dlrm import InProcessDLRM
 from recovery.faults import FailureSchedule, Kill
 from recovery.names import Strategy
 from recovery.planner import RecoveryPlan, Redundancy, plan
-from recovery.policy import RecoveryPolicy
+from recovery.policy import MirrorPolicy, RecoveryPolicy, SnapshotPolicy
 from recovery.strategies.embedding import (
     MFUTracker,
     ShardCopy,
@@ -33,7 +33,9 @@ from simulations.policies import SimulatedPolicy
 
 __all__ = ["run_embedding"]
 
-_FULL_ROLLBACK = RecoveryPolicy(allowed=(Strategy.ROLLBACK,), snapshot_every=None)
+_FULL_ROLLBACK = RecoveryPolicy(
+    allowed=(Strategy.ROLLBACK,), snapshots=SnapshotPolicy(peer_every=None)
+)
 """The ``rollback`` recovery: nothing but a rollback of every worker is allowed."""
 _PARTIAL_STRATEGIES = {Strategy.SHARD_MIRROR, Strategy.EMBEDDING_PARTIAL}
 
@@ -245,9 +247,10 @@ class _Run:
             pls=pls_job,
         )
         policy = RecoveryPolicy(
-            embedding=self.strategy.embedding,
-            pls_budget=self.strategy.pls_budget,
-            snapshot_every=None,
+            mirrors=MirrorPolicy(
+                embedding=self.strategy.embedding, pls_budget=self.strategy.pls_budget
+            ),
+            snapshots=SnapshotPolicy(peer_every=None),
         )
         decision = self.plan(dead, policy, found)
         if decision.tier is not None:

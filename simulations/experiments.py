@@ -52,6 +52,9 @@ class RuntimeCell:
 
 
 def _policy(settings: Mapping[str, Any]) -> Any:
+    """A ``[policies.<name>]`` table as a `RecoveryPolicy`: its keys are the policy's fields,
+    each part a table of its own (``[policies.<name>.baseline] checkpoint_every = 20``);
+    a key by an old flat name is refused naming its home (`recovery.policy.RENAMED`)."""
     from recovery.policy import RecoveryPolicy
 
     return RecoveryPolicy(**dict(settings))
@@ -90,14 +93,15 @@ def runtime_cells(data: Mapping[str, Any]) -> list[RuntimeCell]:
 def run_runtime_cell(data: Mapping[str, Any], cell: RuntimeCell) -> dict[str, Any]:
     """Train one cell of the matrix for real and measure it."""
     from parallelism import Topology
-    from recovery import Trainer, TrainSpec
+    from parallelism.workloads.llama_spec import llama_spec
+    from recovery import Trainer
     from recovery.faults import FailureSchedule
 
     job = dict(data.get("job", {}))
     steps = int(data.get("steps", 50))
     topology = Topology(int(job.pop("stages", 4)), int(job.pop("replicas", 2)))
     overrides = dict(data.get("model_overrides", {}).get(cell.model, {}))
-    spec = TrainSpec.llama(preset=cell.model, seed=cell.seed, **job, **overrides)
+    spec = llama_spec(preset=cell.model, seed=cell.seed, **job, **overrides)
     failures = FailureSchedule.poisson(topology, steps, cell.rate, seed=cell.seed)
     policy = _policy(data["policies"][cell.strategy])
     start = time.perf_counter()

@@ -11,6 +11,7 @@ from torch import nn
 
 from parallelism.schedule import natural_routes, swapped_routes
 from parallelism.seeding import seed_everything
+from parallelism.spec import linear_warmup
 from parallelism.workloads.data import LMBatches
 from parallelism.workloads.llama import (
     LlamaStage,
@@ -20,7 +21,6 @@ from parallelism.workloads.llama import (
     edge_replica_keys,
     llama_loss,
 )
-from recovery.spec import linear_warmup
 from recovery.strategies.checkfree import (
     CheckFreeConfig,
     GradNormTracker,
@@ -45,7 +45,7 @@ class PipelineTrainer:
         swap_every: with ``plus``, microbatch ``m`` is swapped iff ``m % swap_every ==
             swap_every - 1`` (2: every odd one, as published).
 
-    The modules are built as `recovery.spec.TrainSpec` builds them (torch seeded from
+    The modules are built as `parallelism.spec.TrainSpec` builds them (torch seeded from
     ``(seed, "init", stage)``), so stage ``s`` starts with the same weights here as in the
     distributed runtime.
 

@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from parallelism import Topology
+from parallelism.spec import TrainSpec
 from recovery import FailureSchedule, RecoveryPolicy
 from recovery.groups import ThreadWorkerGroup
 from recovery.runtime import Controller, ControllerConfig, Phase
 from recovery.runtime.layouts import layout_for
-from recovery.spec import TrainSpec
 
 STEPS = 5
 """The steps `make` sets a job to train, unless told otherwise."""

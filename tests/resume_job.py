@@ -16,12 +16,12 @@ from workloads import tiny_llama
 
 from parallelism import Topology
 from recovery import Trainer
-from recovery.policy import RecoveryPolicy
+from recovery.policy import RecoveryPolicy, SnapshotPolicy
 
 
 def main() -> None:
     run_dir, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    policy = RecoveryPolicy(snapshot_every=None, durable_every=2)
+    policy = RecoveryPolicy(snapshots=SnapshotPolicy(peer_every=None, durable_every=2))
     result = Trainer(tiny_llama(), topology=Topology(2, 2), policy=policy, run_dir=run_dir).fit(
         steps
     )

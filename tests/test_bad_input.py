@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from parallelism import Topology
-from recovery import RecoveryPolicy, Trainer, TrainSpec
+from parallelism.workloads.llama_spec import llama_spec
+from recovery import RecoveryPolicy, Trainer
 from recovery.integrity.fingerprint import RECOMMENDED_FINGERPRINT_EVERY
 from recovery.runtime.membership import Membership
 from tests.workloads import mlp_spec, tiny_llama
@@ -40,14 +41,16 @@ def test_batches_must_be_a_pair_of_tensors() -> None:
 
 def test_missing_data_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="does not exist"):
-        TrainSpec.llama(data=tmp_path / "nope.txt")
+        llama_spec(data=tmp_path / "nope.txt")
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
     [
         ({"microbatches": 0}, "microbatches must be >= 1"),
-        ({"schedule": "zigzag"}, "unknown schedule 'zigzag'"),
+        ({"schedule": "zigzag"}, "schedule must be one of '1f1b', 'gpipe'; got 'zigzag'"),
+        ({"routes": "reversed"}, "routes must be one of 'natural', 'swapped'; got 'reversed'"),
+        ({"shard_optimizer": "no"}, "shard_optimizer must be True or False, got 'no'"),
         ({"clip_grad_norm": -1.0}, "clip_grad_norm must be positive"),
         ({"loss_fn": "mse"}, "loss_fn must be callable"),
     ],
@@ -60,9 +63,12 @@ def test_bad_spec_fields(kwargs: dict[str, object], message: str) -> None:
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"backend": "mpi"}, "unknown backend 'mpi'"),
-        ({"eval_every": -1}, "eval_every must be >= 0"),
-        ({"threads_per_worker": 0}, "threads_per_worker must be >= 1"),
+        ({"backend": "mpi"}, "backend must be one of 'gloo', 'nccl'; got 'mpi'"),
+        ({"device": "gpu"}, "unknown device 'gpu'; choose one of"),
+        ({"eval_every": -1}, "eval_every must be an integer >= 0, got -1"),
+        ({"threads_per_worker": 0}, "threads_per_worker must be an integer >= 1, got 0"),
+        ({"progress": "no"}, "progress must be True or False, got 'no'"),
+        ({"collect_states": "false"}, "collect_states must be True or False, got 'false'"),
         ({"topology": (4, 2)}, "topology must be a Topology"),
     ],
 )
@@ -86,21 +92,23 @@ def test_bad_step_count(steps: object) -> None:
         ({"weight_decay": -0.1}, "weight_decay must be a number >= 0.0, got -0.1"),
         ({"warmup_steps": -3}, "warmup_steps must be an integer >= 0, got -3"),
         ({"lr": True}, "lr must be a positive number, got True"),
+        ({"checkfree_plus": "false"}, "checkfree_plus must be True or False, got 'false'"),
+        ({"preset": "huge"}, "unknown LlamaConfig preset 'huge'; known: tiny, demo"),
     ],
 )
 def test_bad_llama_hyperparameters(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        TrainSpec.llama(**kwargs)  # type: ignore[arg-type]
+        llama_spec(**kwargs)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
     [
         ({"max_recoveries": True}, r"max_recoveries must be an integer >= 0 or None, got True"),
-        ({"hang_timeout_s": True}, r"hang_timeout_s \(timeouts.hang\) must be a positive"),
+        ({"timeouts": {"hang": True}}, r"timeouts\.hang must be a positive"),
         ({"hot_spares": True}, "hot_spares must be an integer >= 0, got True"),
         ({"comm_retries": True}, "comm_retries must be an integer >= 0, got True"),
-        ({"hang_timeout_s": float("inf")}, "hang_timeout_s"),
+        ({"timeouts": {"hang": float("inf")}}, r"timeouts\.hang"),
     ],
 )
 def test_bad_policy_fields(kwargs: dict[str, object], message: str) -> None:

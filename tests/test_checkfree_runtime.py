@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from parallelism import Topology
+from parallelism.workloads.llama_spec import llama_spec
 from recovery import FitResult, Trainer, TrainSpec
 from recovery.faults import FailureSchedule, Kill, KillPoint
-from recovery.policy import RecoveryPolicy
+from recovery.policy import RecoveryPolicy, SnapshotPolicy
 from recovery.runtime import Controller, ControllerConfig, Phase
 from recovery.strategies.checkfree import CheckFreeConfig, rebuild_stage
 from simulations.convergence import ConvergenceSetup, PipelineTrainer
@@ -29,7 +30,7 @@ AFTER = 10
 
 @functools.cache
 def spec(plus: bool = False) -> TrainSpec:
-    return TrainSpec.llama(
+    return llama_spec(
         preset="tiny",
         seq_len=32,
         microbatch_size=2,
@@ -79,7 +80,7 @@ def assert_matches_the_oracle(result: FitResult, stage: int, kill: int, plus: bo
 
 def test_pipeline_of_one_replica_loses_an_intermediate_stage() -> None:
     k = 10
-    policy = RecoveryPolicy(approximate="checkfree", snapshot_every=None)
+    policy = RecoveryPolicy(approximate="checkfree", snapshots=SnapshotPolicy(peer_every=None))
     result = Trainer(
         spec(),
         topology=Topology(4, 1),
@@ -121,7 +122,7 @@ def test_the_oracle_rebuilds_by_the_published_formula() -> None:
 
 def test_checkfree_plus_rebuilds_the_first_stage_from_its_swap_partner() -> None:
     k = 10
-    policy = RecoveryPolicy(approximate="checkfree+", snapshot_every=None)
+    policy = RecoveryPolicy(approximate="checkfree+", snapshots=SnapshotPolicy(peer_every=None))
     fault = Kill(step=k, stage=0, replica=0, at=KillPoint.MID_PIPELINE)
     result = Trainer(
         spec(plus=True), topology=Topology(4, 1), policy=policy, failures=FailureSchedule([fault])
@@ -140,7 +141,9 @@ def test_checkfree_plus_rebuilds_the_first_stage_from_its_swap_partner() -> None
 
 
 def test_a_whole_stage_group_lost_in_a_4x2_job_recovers_without_rollback() -> None:
-    policy = RecoveryPolicy(approximate="checkfree", exact_only=False, snapshot_every=3)
+    policy = RecoveryPolicy(
+        approximate="checkfree", exact_only=False, snapshots=SnapshotPolicy(peer_every=3)
+    )
     # Both die before their first forward: a later kill point races the abort the first
     # death triggers, and the survivor would be rebuilt exactly instead (a different test).
     faults = [Kill(step=6, stage=1, replica=0), Kill(step=6, stage=1, replica=1)]
@@ -157,8 +160,10 @@ def test_a_whole_stage_group_lost_in_a_4x2_job_recovers_without_rollback() -> No
 def test_exact_only_or_no_approximation_rolls_back_instead() -> None:
     faults = [Kill(step=6, stage=1, replica=0), Kill(step=6, stage=1, replica=1)]
     for policy in (
-        RecoveryPolicy(approximate="checkfree", exact_only=True, snapshot_every=3),
-        RecoveryPolicy(approximate=None, snapshot_every=3),
+        RecoveryPolicy(
+            approximate="checkfree", exact_only=True, snapshots=SnapshotPolicy(peer_every=3)
+        ),
+        RecoveryPolicy(approximate=None, snapshots=SnapshotPolicy(peer_every=3)),
     ):
         result = Trainer(
             spec(), topology=Topology(4, 2), policy=policy, failures=FailureSchedule(faults)
@@ -170,7 +175,7 @@ def test_the_runtime_rebuilds_exactly_what_the_pure_function_computes() -> None:
     """The Ray runtime and the in-process simulator share `rebuild_stage`: given the live
     neighbours' states and norms, the rebuilt worker holds exactly its result."""
     k = 5
-    policy = RecoveryPolicy(approximate="checkfree", snapshot_every=None)
+    policy = RecoveryPolicy(approximate="checkfree", snapshots=SnapshotPolicy(peer_every=None))
     controller = Controller(
         spec(), Topology(4, 1), ControllerConfig(backend="gloo"), policy=policy,
         failures=FailureSchedule([Kill(step=k, stage=2, replica=0)]),

@@ -56,8 +56,8 @@ def test_train_script_on_embedded_local_ray(
     """The default run (``--failures auto``) kills two workers and recovers both exactly."""
     import torch
 
+    from parallelism.spec import TrainSpec
     from recovery.reference import train_reference
-    from recovery.spec import TrainSpec
     from tests.test_engine import LOSS_RTOL
 
     train = _train_script()

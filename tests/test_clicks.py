@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from parallelism.workloads import clicks
-from parallelism.workloads.clicks import ClickBatch, ClickDataset, ClickLogs, read_criteo
+from parallelism.workloads.clicks import ClickBatch, ClickDataset, ClickLogs, criteo, read_criteo
+from parallelism.workloads.clicks import cache as click_cache
 from parallelism.workloads.dlrm import ShardLayout, roc_auc
 
 ROWS = (500, 300, 100, 20)
@@ -237,10 +237,12 @@ def test_parsing_memory_is_bounded_by_the_chunk_not_the_file(tmp_path: Path) -> 
     peaks = []
     for lines in (2000, 8000):
         path = criteo_file(tmp_path / f"{lines}.tsv", lines)
-        fmt = clicks._criteo_format(CRITEO_ROWS, "hash", 13, None)
+        fmt = criteo.criteo_format(CRITEO_ROWS, "hash", 13, None)
         tracemalloc.start()
         try:
-            meta = clicks._criteo_cache(str(path), fmt, str(tmp_path / "cache"), chunk_lines=chunk)
+            meta = click_cache.criteo_cache(
+                str(path), fmt, str(tmp_path / "cache"), chunk_lines=chunk
+            )
             peaks.append(tracemalloc.get_traced_memory()[1])
         finally:
             tracemalloc.stop()
@@ -266,24 +268,24 @@ def test_dataset_pickles_as_a_recipe_and_rebuilds_where_the_cache_is_missing(
     assert max(sizes) < 1024 and abs(sizes[1] - sizes[0]) < 8, sizes  # digits of the count
     expected = dataset(4, 1, 2)
     # Another machine: no samples mapped in the process, no cache on its disk.
-    clicks._LOADED.clear()
+    click_cache._LOADED.clear()
     (tmp_path / "cache").rename(tmp_path / "elsewhere")
     revived = pickle.loads(pickle.dumps(dataset))
     assert _equal(revived(4, 1, 2), expected)
     assert len(list((tmp_path / "cache" / "criteo").glob("*/meta.json"))) == 1
     # The cache is reused, not parsed again.
-    clicks._LOADED.clear()
+    click_cache._LOADED.clear()
     again = ClickDataset.from_criteo(
         path, CRITEO_ROWS, batch_size=8, seed=1, cache_dir=tmp_path / "cache"
     )
     assert again.samples_fingerprint == dataset.samples_fingerprint
     # A machine whose file differs refuses to train on it.
-    clicks._LOADED.clear()
+    click_cache._LOADED.clear()
     path.write_bytes(path.read_bytes().replace(b"\n1\t", b"\n0\t", 1))
     with pytest.raises(RuntimeError, match="differs between machines"):
         pickle.loads(pickle.dumps(dataset))(0, 0, 1)
     path.unlink()
-    clicks._LOADED.clear()
+    click_cache._LOADED.clear()
     with pytest.raises(RuntimeError, match="present at the same path on every node"):
         pickle.loads(pickle.dumps(dataset))(0, 0, 1)
 
@@ -327,13 +329,13 @@ def test_concurrent_builders_parse_once_and_a_held_lock_is_a_bounded_wait(
     path = criteo_file(tmp_path / "day.tsv", 600)
     cache = tmp_path / "cache"
     parses = []
-    real = clicks._criteo_chunks
+    real = click_cache.criteo_chunks
 
     def counted(*args: Any) -> Any:
         parses.append(1)
         return real(*args)
 
-    monkeypatch.setattr(clicks, "_criteo_chunks", counted)
+    monkeypatch.setattr(click_cache, "criteo_chunks", counted)
     found: list[str] = []
 
     def build() -> None:
@@ -350,8 +352,8 @@ def test_concurrent_builders_parse_once_and_a_held_lock_is_a_bounded_wait(
     (key_lock,) = (cache / "criteo").glob("*.lock")
     key = key_lock.name.removesuffix(".lock")
     path.write_bytes(path.read_bytes() + b"\n")  # another mtime and size: another key
-    monkeypatch.setattr(clicks, "_LOCK_WAIT", datetime.timedelta(seconds=0.5))
-    new_key = clicks._cache_key(path, clicks._criteo_format(CRITEO_ROWS, "hash", 13, None))
+    monkeypatch.setattr(click_cache, "_LOCK_WAIT", datetime.timedelta(seconds=0.5))
+    new_key = click_cache._cache_key(path, criteo.criteo_format(CRITEO_ROWS, "hash", 13, None))
     assert new_key != key
     (cache / "criteo" / f"{new_key}.partial-dead").mkdir()
     with (cache / "criteo" / f"{new_key}.lock").open("a") as held:

@@ -17,8 +17,7 @@ import torch
 
 from parallelism import Topology
 from parallelism.comm import StageComm
-from recovery import Hang, Kill, KillPoint, RecoveryError, RecoveryPolicy
-from recovery.policy import Timeouts
+from recovery import Hang, Kill, KillPoint, RecoveryError, RecoveryPolicy, SnapshotPolicy, Timeouts
 from recovery.reference import differences
 from recovery.runtime import Phase
 from recovery.trainer import final_trajectory
@@ -82,7 +81,7 @@ def test_a_lost_stage_group_rolls_back_to_the_peer_snapshot(oracle) -> None:  # 
         Topology(2, 2),
         Kill(step=3, stage=0, replica=0),
         Kill(step=3, stage=0, replica=1),
-        policy=RecoveryPolicy(snapshot_every=2),
+        policy=RecoveryPolicy(snapshots=SnapshotPolicy(peer_every=2)),
     )
     phases = drive(controller)
     assert after_running(phases)[: len(RECOVERY)] == RECOVERY
@@ -96,7 +95,7 @@ def test_checkfree_rebuilds_a_lost_middle_stage_from_its_neighbours() -> None:
         mlp_spec(),
         Topology(3, 1),
         Kill(step=2, stage=1, replica=0),
-        policy=RecoveryPolicy(approximate="checkfree", snapshot_every=None),
+        policy=RecoveryPolicy(approximate="checkfree", snapshots=SnapshotPolicy(peer_every=None)),
     )
     drive(controller)
     (event,) = controller.events
@@ -110,7 +109,7 @@ def test_without_redundancy_the_job_fails_with_the_reason() -> None:
         mlp_spec(),
         Topology(2, 1),
         Kill(step=2, stage=0, replica=0),
-        policy=RecoveryPolicy(snapshot_every=None),
+        policy=RecoveryPolicy(snapshots=SnapshotPolicy(peer_every=None)),
     )
     phases = drive(controller)
     assert phases[-2:] == [Phase.RECOVERING, Phase.FAILED]
@@ -123,7 +122,7 @@ def test_a_hang_is_found_killed_and_replaced(oracle) -> None:  # type: ignore[no
         mlp_spec(),
         Topology(2, 2),
         Hang(step=2, stage=0, replica=1, at=KillPoint.BEFORE_FORWARD),
-        policy=RecoveryPolicy(hang_timeout_s=0.5),
+        policy=RecoveryPolicy(timeouts=Timeouts(hang=0.5)),
     )
     drive(controller)
     (event,) = controller.events
@@ -274,7 +273,7 @@ def test_a_commit_is_waited_for_with_the_next_steps_reports_unless_something_nee
     next step's calls go out before the commits are waited for -- except where a snapshot
     (here every 2 steps) or the end of the job needs the update applied first. (Deaths in
     the commit: the kill-point test above.)"""
-    policy = RecoveryPolicy(snapshot_every=2, fingerprint_every=1)
+    policy = RecoveryPolicy(snapshots=SnapshotPolicy(peer_every=2), fingerprint_every=1)
     controller, group = make(mlp_spec(), Topology(2, 2), policy=policy)
     log: list[str] = []
     _spy(group, log)
@@ -295,7 +294,7 @@ def test_workers_decide_the_commit_and_run_steps_in_batches_between_snapshots() 
     of the job go out in one call, and the next call goes out before the one before it
     is back unless a snapshot must come between them. The losses are the two-phase
     steps' own."""
-    policy = RecoveryPolicy(snapshot_every=4)
+    policy = RecoveryPolicy(snapshots=SnapshotPolicy(peer_every=4))
     controller, group = make(mlp_spec(), Topology(2, 2), policy=policy, steps=10)
     log: list[str] = []
     _spy(group, log)

@@ -15,7 +15,14 @@ from torch.utils.data import IterableDataset, TensorDataset
 
 from parallelism import Topology
 from parallelism.datasets import DatasetBatches
-from recovery import Kill, KillPoint, RecoveryPolicy, TrainSpec, batches_from_dataset
+from recovery import (
+    Kill,
+    KillPoint,
+    RecoveryPolicy,
+    SnapshotPolicy,
+    TrainSpec,
+    batches_from_dataset,
+)
 from tests.jobs import drive, make
 from tests.test_controller import assert_equal_states
 from tests.workloads import adamw, mlp_stage, mse
@@ -161,7 +168,7 @@ def _run(*faults: object, policy: RecoveryPolicy | None = None) -> tuple[Any, Re
 )
 def test_a_run_with_failures_reads_exactly_the_samples_of_one_without(faults: list[Kill]) -> None:
     clean, clean_data = _run()
-    policy = RecoveryPolicy(exact_only=True, snapshot_every=2)
+    policy = RecoveryPolicy(exact_only=True, snapshots=SnapshotPolicy(peer_every=2))
     controller, data = _run(*faults, policy=policy)
     assert controller.events, "the failure was not injected"
     assert {r.step for r in controller.records} == {r.step for r in clean.records} == set(range(8))

@@ -18,7 +18,15 @@ from parallelism.devices import (
     deterministic_cuda,
     wire_device,
 )
-from recovery import FailureSchedule, Kill, KillPoint, RecoveryPolicy, Trainer, TrainSpec
+from parallelism.workloads.dlrm import dlrm_spec
+from recovery import (
+    FailureSchedule,
+    Kill,
+    KillPoint,
+    RecoveryPolicy,
+    SnapshotPolicy,
+    Trainer,
+)
 from recovery.groups.resources import SHARED_GPU, worker_ask
 from recovery.runtime import Phase
 from tests.jobs import drive, make
@@ -61,8 +69,8 @@ def test_trainer_refuses_cuda_on_a_machine_without_it() -> None:
 
 def test_tables_train_on_the_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past the CUDA check
-    spec = TrainSpec.dlrm(preset="tiny")
-    with pytest.raises(ValueError, match=r"embedding tables \(TrainSpec.dlrm\) train on the CPU"):
+    spec = dlrm_spec(preset="tiny")
+    with pytest.raises(ValueError, match=r"embedding tables \(dlrm_spec\) train on the CPU"):
         Trainer(spec, topology=Topology(1, 4), backend="gloo", device="cuda")
     Trainer(spec, topology=Topology(1, 4), backend="gloo", device="cpu")
 
@@ -143,7 +151,7 @@ def _job(staged: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[float], An
         # `land` is called by StageComm's receives and by StagedWork.wait: patch both.
         monkeypatch.setattr(stage_comm, "land", counted_land)
         monkeypatch.setattr(wire, "land", counted_land)
-    policy = RecoveryPolicy(snapshot_every=2)
+    policy = RecoveryPolicy(snapshots=SnapshotPolicy(peer_every=2))
     controller, _ = make(
         mlp_spec(),
         Topology(2, 2),

@@ -13,7 +13,8 @@ import torch
 
 from parallelism import Topology
 from parallelism.workloads.clicks import ClickDataset, read_criteo
-from recovery import FitResult, RecoveryPolicy, Trainer, TrainSpec
+from parallelism.workloads.dlrm import dlrm_spec
+from recovery import FitResult, MirrorPolicy, RecoveryPolicy, SnapshotPolicy, Trainer, TrainSpec
 from recovery.errors import RedundancyExhausted
 from recovery.faults import FailureSchedule, Kill, KillPoint
 
@@ -21,13 +22,13 @@ pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_local")]
 
 TOPOLOGY = Topology(1, 4)
 STEPS = 6
-EVERY_STEP = RecoveryPolicy(mirror_every=1)
-HOT_ONLY = RecoveryPolicy(mirror_every=4, mirror_hot_rows=3, pls_budget=1.0)
+EVERY_STEP = RecoveryPolicy(mirrors=MirrorPolicy(every=1))
+HOT_ONLY = RecoveryPolicy(mirrors=MirrorPolicy(every=4, hot_rows=3, pls_budget=1.0))
 
 
 @functools.cache
 def spec() -> TrainSpec:
-    return TrainSpec.dlrm(preset="tiny", batch_size=16, seed=3)
+    return dlrm_spec(preset="tiny", batch_size=16, seed=3)
 
 
 @functools.cache
@@ -50,7 +51,8 @@ def model(result: FitResult, replica: int) -> dict[str, torch.Tensor]:
 )
 def test_mirroring_every_step_recovers_bit_exact(at: KillPoint, spares: int) -> None:
     result = fit(
-        RecoveryPolicy(mirror_every=1, hot_spares=spares), Kill(step=3, stage=0, replica=2, at=at)
+        RecoveryPolicy(mirrors=MirrorPolicy(every=1), hot_spares=spares),
+        Kill(step=3, stage=0, replica=2, at=at),
     )
     expected = oracle(STEPS)
     assert result.losses == expected.losses
@@ -122,7 +124,8 @@ def test_partial_recovery_rewrites_only_the_lost_shard() -> None:
 
 def test_exact_policy_rolls_back_when_rows_are_stale() -> None:
     policy = RecoveryPolicy(
-        mirror_every=100, mirror_hot_rows=3, embedding="exact", snapshot_every=2
+        mirrors=MirrorPolicy(every=100, hot_rows=3, embedding="exact"),
+        snapshots=SnapshotPolicy(peer_every=2),
     )
     result = fit(policy, Kill(step=3, stage=0, replica=0, at=KillPoint.MID_PIPELINE))
     (event,) = result.events
@@ -132,17 +135,20 @@ def test_exact_policy_rolls_back_when_rows_are_stale() -> None:
 
 
 def test_partial_recovery_beyond_the_pls_budget_rolls_back() -> None:
-    policy = RecoveryPolicy(mirror_every=100, mirror_hot_rows=0, pls_budget=1e-6, snapshot_every=2)
+    policy = RecoveryPolicy(
+        mirrors=MirrorPolicy(every=100, hot_rows=0, pls_budget=1e-6),
+        snapshots=SnapshotPolicy(peer_every=2),
+    )
     result = fit(policy, Kill(step=3, stage=0, replica=3, at=KillPoint.MID_PIPELINE))
     (event,) = result.events
-    assert event.strategy == "rollback" and "exceeds pls_budget" in event.detail
+    assert event.strategy == "rollback" and "exceeds mirrors.pls_budget" in event.detail
 
 
 def test_losing_a_shard_with_its_mirror_and_no_snapshot_is_reported() -> None:
     # Replica 0's buddy on a one-node ring is replica 1: both copies of shard 0 die.
     faults = [Kill(step=2, stage=0, replica=r, at=KillPoint.MID_PIPELINE) for r in (0, 1)]
     with pytest.raises(RedundancyExhausted, match="lost with its mirror"):
-        fit(RecoveryPolicy(snapshot_every=None), *faults)
+        fit(RecoveryPolicy(snapshots=SnapshotPolicy(peer_every=None)), *faults)
 
 
 def test_tables_too_small_or_a_pipeline_are_refused_before_workers_start() -> None:
@@ -173,14 +179,14 @@ def _tiny_criteo(path: Path, lines: int) -> Path:
 def test_a_criteo_file_travels_as_a_path_and_recovers_bit_exact(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """TrainSpec.dlrm(data=...) carries the file's recipe, not its samples (the pickled
+    """dlrm_spec(data=...) carries the file's recipe, not its samples (the pickled
     spec's size does not grow with the file); the workers map the parsed samples, checked
     by fingerprint, and train bit for bit as on the same samples shipped in memory, through
     a recovery."""
     monkeypatch.setenv("CHECKFREE_CACHE_DIR", str(tmp_path / "cache"))
     path = _tiny_criteo(tmp_path / "clicks.tsv", 400)
-    from_file = TrainSpec.dlrm(preset="tiny", data=path, batch_size=16, seed=3)
-    larger = TrainSpec.dlrm(
+    from_file = dlrm_spec(preset="tiny", data=path, batch_size=16, seed=3)
+    larger = dlrm_spec(
         preset="tiny", data=_tiny_criteo(tmp_path / "large.tsv", 20_000), batch_size=16, seed=3
     )
     sizes = [len(pickle.dumps(s)) for s in (from_file, larger)]

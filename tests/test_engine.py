@@ -16,7 +16,7 @@ from parallelism import Topology
 from parallelism import engine as engine_mod
 from parallelism.comm import Rendezvous, StageComm, host_store
 from parallelism.schedule import build_schedule
-from recovery import RecoveryPolicy
+from recovery import RecoveryPolicy, SnapshotPolicy
 from recovery.reference import train_reference
 from recovery.runtime import Controller, Phase
 from tests.jobs import drive, in_threads, make
@@ -31,7 +31,7 @@ LOSS_RTOL = 1e-6
 WEIGHT_TOL = {"rtol": 1e-5, "atol": 2e-6}
 
 # Snapshots are no part of the math (and would only slow the jobs down).
-NO_SNAPSHOTS = RecoveryPolicy(snapshot_every=None)
+NO_SNAPSHOTS = RecoveryPolicy(snapshots=SnapshotPolicy(peer_every=None))
 
 
 def _assert_states_close(

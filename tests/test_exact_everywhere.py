@@ -37,7 +37,7 @@ from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 
 from parallelism import Topology
-from recovery import BitFlip, Kill, KillPoint, RecoveryPolicy, TrainSpec
+from recovery import BitFlip, Kill, KillPoint, RecoveryPolicy, SnapshotPolicy, TrainSpec
 from recovery.reference import differences
 from recovery.runtime import Controller
 from recovery.runtime import Phase as JobPhase
@@ -84,14 +84,22 @@ class Case:
 
     def recovery_policy(self) -> RecoveryPolicy:
         if self.policy == "exact":
-            return RecoveryPolicy(snapshot_every=2, fingerprint_every=2, hot_spares=self.hot_spares)
+            return RecoveryPolicy(
+                snapshots=SnapshotPolicy(peer_every=2),
+                fingerprint_every=2,
+                hot_spares=self.hot_spares,
+            )
         if self.policy == "checkfree":
             return RecoveryPolicy(
-                approximate="checkfree", snapshot_every=2, hot_spares=self.hot_spares
+                approximate="checkfree",
+                snapshots=SnapshotPolicy(peer_every=2),
+                hot_spares=self.hot_spares,
             )
         if self.policy == "elastic":
-            return RecoveryPolicy(elastic=True, snapshot_every=2, hot_spares=0)
-        return RecoveryPolicy(snapshot_every=2, hot_spares=self.hot_spares)
+            return RecoveryPolicy(
+                elastic=True, snapshots=SnapshotPolicy(peer_every=2), hot_spares=0
+            )
+        return RecoveryPolicy(snapshots=SnapshotPolicy(peer_every=2), hot_spares=self.hot_spares)
 
     def __str__(self) -> str:
         return (

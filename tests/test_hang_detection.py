@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from parallelism import Topology
-from recovery import Hang, KillPoint, RecoveryPolicy
+from recovery import Hang, KillPoint, RecoveryPolicy, Timeouts
 from tests.jobs import drive, make
 from tests.test_controller import assert_equal_states
 from tests.workloads import mlp_spec
@@ -36,7 +36,7 @@ def slow_stage(stage: int, num_stages: int) -> nn.Module:
 
 
 def test_a_long_healthy_step_is_not_a_hang() -> None:
-    policy = RecoveryPolicy(hang_timeout_s=HANG_S)
+    policy = RecoveryPolicy(timeouts=Timeouts(hang=HANG_S))
     controller, _ = make(mlp_spec(build_stage=slow_stage), Topology(2, 1), policy=policy, steps=2)
     started = time.monotonic()
     drive(controller)
@@ -49,7 +49,7 @@ def test_a_stuck_worker_is_found_from_its_last_progress() -> None:
     top = Topology(2, 2)
     clean, _ = make(mlp_spec(), top)
     drive(clean)
-    policy = RecoveryPolicy(hang_timeout_s=HANG_S)
+    policy = RecoveryPolicy(timeouts=Timeouts(hang=HANG_S))
     stuck = Hang(step=2, stage=1, replica=1, at=KillPoint.MID_PIPELINE)
     controller, _ = make(mlp_spec(), top, stuck, policy=policy)
     drive(controller)

@@ -15,13 +15,11 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     # the vocabulary: names, errors, events, the wire format, what a job is
-    ("names", "errors", "events", "wire", "spec"),
+    ("names", "errors", "events", "wire"),
     # pure pieces: the recovery math, the run folder, the single-process oracle
     ("strategies", "rundir", "reference"),
     # what one worker holds; what the user allows
@@ -171,11 +169,6 @@ def test_the_root_of_recovery_holds_at_most_twelve_modules() -> None:
     assert len(modules) <= MAX_ROOT_MODULES, modules
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="being split now: runtime/controller.py (the module and class Controller), "
-    "parallelism/comm.py, parallelism/schedule.py, parallelism/workloads/clicks.py",
-)
 def test_no_module_or_class_is_too_long_to_hold_in_one_head() -> None:
     too_long = []
     for package in ("recovery", "parallelism"):

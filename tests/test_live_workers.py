@@ -17,7 +17,7 @@ import pytest
 
 from parallelism import Topology
 from parallelism.comm import Rendezvous
-from recovery import Kill, RecoveryPolicy
+from recovery import Kill, RecoveryPolicy, SnapshotPolicy
 from recovery.runtime import Phase
 from recovery.worker import StageWorker, is_comm_error
 from tests.jobs import drive, make
@@ -25,7 +25,7 @@ from tests.test_controller import assert_equal_states
 from tests.test_reentrant import FIRST, LOST, SURVIVOR, TOP, once
 from tests.workloads import mlp_spec
 
-PEER_ONLY = RecoveryPolicy(snapshot_every=2, hot_spares=0)
+PEER_ONLY = RecoveryPolicy(snapshots=SnapshotPolicy(peer_every=2), hot_spares=0)
 """Peer snapshots, no durable tier, no spare: what must survive here does so by the live
 workers alone."""
 

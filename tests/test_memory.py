@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from parallelism import Topology
-from recovery import RecoveryPolicy, Trainer
+from recovery import RecoveryPolicy, SnapshotPolicy, Trainer
 from recovery.worker import memory
 from tests.workloads import mlp_spec, regression_batches
 
@@ -117,7 +117,7 @@ def test_a_ray_workers_steady_steps_fault_in_almost_no_fresh_pages() -> None:
     trainer = Trainer(
         spec,
         topology=Topology(1, 2),
-        policy=RecoveryPolicy(hot_spares=0, snapshot_every=None),
+        policy=RecoveryPolicy(hot_spares=0, snapshots=SnapshotPolicy(peer_every=None)),
         collect_states=False,
     )
     counts: list[tuple[int, list[dict[int, tuple[int, int]]]]] = []

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from parallelism import Topology
-from recovery import RecoveryPolicy, Trainer
+from recovery import RecoveryPolicy, SnapshotPolicy, Trainer
 from recovery.reference import differences
 from recovery.runtime import Controller, ControllerConfig, Phase
 from tests.workloads import mlp_spec
@@ -92,7 +92,9 @@ def _run(second: str, policy: RecoveryPolicy) -> tuple[Controller, list[str], li
 
 @pytest.mark.parametrize("second", ["replacement", "survivor"])
 def test_a_second_kill_during_the_first_recovery_ends_bit_identical(oracle, second: str) -> None:  # type: ignore[no-untyped-def]
-    controller, log, _, end = _run(second, RecoveryPolicy(hot_spares=0, snapshot_every=None))
+    controller, log, _, end = _run(
+        second, RecoveryPolicy(hot_spares=0, snapshots=SnapshotPolicy(peer_every=None))
+    )
     assert len(log) == 2, log
     assert any(p.value in log[1] for p in _RECOVERING), log  # it landed in the recovery
     assert controller.phase is Phase.FINISHED
@@ -109,7 +111,9 @@ def test_a_death_while_the_next_generation_forms_keeps_the_live_workers(oracle) 
     other survivors keep their processes, and (1,0)'s replacement is kept and set up afresh
     (one process for it in all) rather than killed and started again."""
     survivors = [r for r in range(TOP.world_size) if r not in (TOP.rank(1, 0), TOP.rank(0, 1))]
-    controller, log, seen, end = _run("survivor", RecoveryPolicy(hot_spares=0, snapshot_every=5))
+    controller, log, seen, end = _run(
+        "survivor", RecoveryPolicy(hot_spares=0, snapshots=SnapshotPolicy(peer_every=5))
+    )
     assert len(log) == 2 and "replacing" in log[1], log
     (event,) = controller.events
     assert [note.split(":")[0] for note in event.interruptions] == ["reforming"], event

@@ -10,7 +10,7 @@ from parallelism import Topology
 from recovery.errors import RedundancyExhausted
 from recovery.names import Strategy
 from recovery.planner import Redundancy, plan
-from recovery.policy import RecoveryPolicy
+from recovery.policy import MirrorPolicy, RecoveryPolicy, RestartBaseline, Timeouts
 
 
 @st.composite
@@ -90,14 +90,14 @@ def test_inconsistent_input_is_rejected() -> None:
 
 
 def test_policy_validation() -> None:
-    with pytest.raises(ValueError, match="unknown recovery strategy"):
+    with pytest.raises(ValueError, match="strategy must be one of 'auto', 'restart'; got 'pray'"):
         RecoveryPolicy(strategy="pray")
     with pytest.raises(ValueError, match="hot_spares"):
         RecoveryPolicy(hot_spares=-1)
-    with pytest.raises(ValueError, match="hang_timeout_s"):
-        RecoveryPolicy(hang_timeout_s=0)
-    with pytest.raises(ValueError, match="checkpoint_every"):
-        RecoveryPolicy(checkpoint_every=0)
+    with pytest.raises(ValueError, match=r"timeouts\.hang"):
+        RecoveryPolicy(timeouts=Timeouts(hang=0))
+    with pytest.raises(ValueError, match=r"baseline\.checkpoint_every"):
+        RecoveryPolicy(baseline=RestartBaseline(checkpoint_every=0))
 
 
 # -- the full hierarchy: approximate rebuilds and rollback -----------------------------------
@@ -270,8 +270,9 @@ def sharded_cases(draw: st.DrawFn):  # type: ignore[no-untyped-def]
         pls=draw(st.sampled_from([0.0, 0.01, 0.2])),
     )
     policy = RecoveryPolicy(
-        embedding=draw(st.sampled_from(["partial", "exact"])),
-        pls_budget=0.05,
+        mirrors=MirrorPolicy(
+            embedding=draw(st.sampled_from(["partial", "exact"])), pls_budget=0.05
+        ),
         exact_only=draw(st.booleans()),
     )
     return top, lost, redundancy, policy

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from parallelism import Topology
-from recovery import Kill, RecoveryPolicy
+from recovery import Kill, RecoveryPolicy, SnapshotPolicy
 from recovery.reference import differences
 from recovery.runtime import Controller, Phase
 from recovery.state import Progress, Rebuild
@@ -31,8 +31,10 @@ WIPE = [Kill(step=2, stage=1, replica=0), Kill(step=2, stage=1, replica=1)]
 MARK = Rebuild(step=2, lr_scale=1.1, lr_scale_steps=None, rewarm_steps=0)
 
 
-def _policy(**extra: object) -> RecoveryPolicy:
-    return RecoveryPolicy(approximate="checkfree", snapshot_every=2, **extra)  # type: ignore[arg-type]
+def _policy(**snapshots: object) -> RecoveryPolicy:
+    return RecoveryPolicy(
+        approximate="checkfree", snapshots=SnapshotPolicy(peer_every=2, **snapshots)
+    )  # type: ignore[arg-type]
 
 
 def _run(*faults: Kill, policy: RecoveryPolicy | None = None, **kwargs: object) -> Controller:

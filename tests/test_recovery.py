@@ -11,7 +11,7 @@ from parallelism import Topology
 from recovery import FitResult, RedundancyExhausted, Trainer
 from recovery.errors import CallbackError
 from recovery.faults import FailureSchedule, Hang, Kill, KillPoint
-from recovery.policy import RecoveryPolicy
+from recovery.policy import RecoveryPolicy, RestartBaseline, Timeouts
 from tests.workloads import mlp_spec, tiny_llama
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_local")]
@@ -104,7 +104,7 @@ def test_a_death_in_the_last_commit_is_recovered_and_reported(uninterrupted: Fit
 
 
 def test_hung_worker_is_detected_by_the_timeout_and_replaced(uninterrupted: FitResult) -> None:
-    policy = RecoveryPolicy(hang_timeout_s=3.0)
+    policy = RecoveryPolicy(timeouts=Timeouts(hang=3.0))
     result = fit_with([Hang(step=2, stage=2, replica=1, at=KillPoint.MID_PIPELINE)], policy)
     assert_identical(result, uninterrupted)
     (event,) = result.events
@@ -122,7 +122,10 @@ def test_hot_spare_replaces_a_dead_worker(uninterrupted: FitResult) -> None:
 def test_restart_baseline_reloads_the_checkpoint_and_redoes_lost_steps(
     uninterrupted: FitResult, tmp_path
 ) -> None:  # type: ignore[no-untyped-def]
-    policy = RecoveryPolicy(strategy="restart", checkpoint_every=2, checkpoint_dir=str(tmp_path))
+    policy = RecoveryPolicy(
+        strategy="restart",
+        baseline=RestartBaseline(checkpoint_every=2, checkpoint_dir=str(tmp_path)),
+    )
     result = fit_with([Kill(step=3, stage=2, replica=0, at=KillPoint.MID_PIPELINE)], policy)
     assert_identical(result, uninterrupted)  # the replay from step 2 is deterministic
     (event,) = result.events

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from parallelism import Topology
-from recovery import Kill, RecoveryError, RecoveryPolicy
+from recovery import Kill, RecoveryError, RecoveryPolicy, SnapshotPolicy
 from recovery.groups import ThreadWorkerGroup
 from recovery.runtime import Controller, Phase
 from recovery.runtime.controller import MAX_INTERRUPTIONS
@@ -145,7 +145,7 @@ def test_an_interrupted_rollback_is_planned_again_and_ends_exact() -> None:
         top,
         Kill(step=3, stage=0, replica=0),
         Kill(step=3, stage=0, replica=1),
-        policy=RecoveryPolicy(snapshot_every=2),
+        policy=RecoveryPolicy(snapshots=SnapshotPolicy(peer_every=2)),
     )
     group.chaos = once(top.rank(0, 0), "recv_snapshot")
     drive(controller)
@@ -235,7 +235,9 @@ def test_a_death_while_taking_peer_snapshots_is_recovered_exactly(oracle, victim
     scripts/chaos.py): the step stays committed, the worker is rebuilt, and the job ends
     bit-identical -- before, `fit` raised RecoveryInterrupted ("could not take peer
     snapshots") and the job died."""
-    controller, group = make(mlp_spec(), TOP, policy=RecoveryPolicy(snapshot_every=2), nodes=3)
+    controller, group = make(
+        mlp_spec(), TOP, policy=RecoveryPolicy(snapshots=SnapshotPolicy(peer_every=2)), nodes=3
+    )
     group.chaos = once(victim, "take_snapshot")
     drive(controller)
     assert controller.phase is Phase.FINISHED, controller.error

@@ -1,5 +1,5 @@
 """Trainer(worker_resources=...): what each worker asks Ray for, and what a job gets when
-there is no room for it -- a clear error, at the start or after replace_timeout_s, never a
+there is no room for it -- a clear error, at the start or after timeouts.replace, never a
 wait for the start timeout."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import pytest
 
 from parallelism import Topology
-from recovery import RecoveryPolicy, Trainer
+from recovery import RecoveryPolicy, SnapshotPolicy, Timeouts, Trainer
 from recovery.errors import PlacementFailed
 from recovery.groups.pool import POOL
 from recovery.groups.resources import actor_options, fits, worker_ask
@@ -66,10 +66,10 @@ def test_fits_counts_whole_workers() -> None:
     assert fits({}, {"CPU": 1.0}) == math.inf
 
 
-def test_replace_timeout_s_lands_in_timeouts() -> None:
-    assert RecoveryPolicy(replace_timeout_s=7).timeouts.replace.total_seconds() == 7
-    with pytest.raises(ValueError, match=r"replace_timeout_s \(timeouts.replace\)"):
-        RecoveryPolicy(replace_timeout_s=0)
+def test_the_replace_timeout_is_checked_by_its_home() -> None:
+    assert RecoveryPolicy(timeouts=Timeouts(replace=7)).timeouts.replace.total_seconds() == 7
+    with pytest.raises(ValueError, match=r"timeouts\.replace must be a positive"):
+        RecoveryPolicy(timeouts=Timeouts(replace=0))
 
 
 def test_check_capacity_counts_whole_workers_per_node(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -104,7 +104,11 @@ def cluster(full_cluster):  # type: ignore[no-untyped-def]
 
 def _controller(top: Topology, timeout_s: float, **resources: float) -> Controller:
     config = ControllerConfig(backend="gloo", worker_resources=worker_ask(resources, "gloo"))
-    policy = RecoveryPolicy(hot_spares=0, snapshot_every=None, replace_timeout_s=timeout_s)
+    policy = RecoveryPolicy(
+        hot_spares=0,
+        snapshots=SnapshotPolicy(peer_every=None),
+        timeouts=Timeouts(replace=timeout_s),
+    )
     return Controller(mlp_spec(), top, config, policy=policy)
 
 
@@ -113,7 +117,7 @@ def _controller(top: Topology, timeout_s: float, **resources: float) -> Controll
 def test_a_job_the_nodes_cannot_hold_fails_at_the_start(cluster) -> None:  # type: ignore[no-untyped-def]
     """No node can ever hold a worker: a ValueError before any worker starts. The nodes
     hold enough in all but not where the placement puts a pipeline: PlacementFailed after
-    replace_timeout_s, naming the worker that found no room."""
+    timeouts.replace, naming the worker that found no room."""
     with pytest.raises(ValueError, match=r"asks for CPU 3 .* hold 0"):
         _controller(Topology(2, 1), 5, CPU=3).start()
     controller = _controller(Topology(3, 1), 5, CPU=1)  # one pipeline of 3 on a 2-CPU node
@@ -134,7 +138,7 @@ def test_a_job_the_nodes_cannot_hold_fails_at_the_start(cluster) -> None:  # typ
 def test_a_node_loss_with_no_room_left_fails_after_replace_timeout(cluster) -> None:  # type: ignore[no-untyped-def]
     """Every node full ({"CPU": 1} per worker): losing one leaves the lost pipeline's two
     workers nowhere to go. Without elastic shrink that is a PlacementFailed naming both,
-    about replace_timeout_s after the loss -- not the 300 s start timeout."""
+    about timeouts.replace after the loss -- not the 300 s start timeout."""
     c, worker_nodes = cluster
     top, timeout_s = Topology(2, 3), 8.0
     controller = _controller(top, timeout_s, CPU=1)
@@ -162,7 +166,7 @@ def test_a_node_loss_with_no_room_left_fails_after_replace_timeout(cluster) -> N
     text = str(error)
     for rank in doomed:
         assert f"worker {top.worker(rank)}" in text
-    assert "no room on node" in text and "replace_timeout_s=8" in text
+    assert "no room on node" in text and "timeouts.replace=8 s" in text
     assert timeout_s <= took < timeout_s + 20, took
 
 
@@ -194,7 +198,12 @@ def test_a_node_loss_with_no_room_shrinks_and_grows_back_when_a_node_joins(clust
         clean.shutdown()
     POOL.clear()
     config = ControllerConfig(backend="gloo", worker_resources=worker_ask({"CPU": 1}, "gloo"))
-    policy = RecoveryPolicy(elastic=True, hot_spares=0, snapshot_every=None, replace_timeout_s=8)
+    policy = RecoveryPolicy(
+        elastic=True,
+        hot_spares=0,
+        snapshots=SnapshotPolicy(peer_every=None),
+        timeouts=Timeouts(replace=8),
+    )
     controller = Controller(mlp_spec(), top, config, policy=policy)
     added = None
     try:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from parallelism import Topology
-from recovery import RecoveryPolicy
+from recovery import RecoveryPolicy, SnapshotPolicy
 from recovery.reference import differences
 from recovery.snapshots.identity import describe, job_identity
 from recovery.worker import StageWorker
@@ -19,7 +19,7 @@ from tests.jobs import drive, make
 from tests.workloads import adamw, mlp_spec, regression_batches, relu_stage
 
 TOP = Topology(2, 1)
-POLICY = RecoveryPolicy(snapshot_every=None, durable_every=2)
+POLICY = RecoveryPolicy(snapshots=SnapshotPolicy(peer_every=None, durable_every=2))
 
 
 def _run(spec, folder: Path, steps: int = 4):  # type: ignore[no-untyped-def]

@@ -16,7 +16,7 @@ import torch
 from parallelism import Topology
 from recovery import FitResult, RecoveryError, RedundancyExhausted, Trainer
 from recovery.faults import Corrupt, FailureSchedule, Kill, KillPoint
-from recovery.policy import RecoveryPolicy
+from recovery.policy import RecoveryPolicy, SnapshotPolicy
 from recovery.snapshots import buddies
 from tests.test_recovery import assert_identical
 from tests.workloads import tiny_llama
@@ -50,7 +50,10 @@ def stage_group_dies(step: int, stage: int) -> list[Kill]:
 
 
 def test_whole_stage_lost_rolls_back_to_the_peer_tier(uninterrupted: FitResult) -> None:
-    result = fit(RecoveryPolicy(exact_only=True, snapshot_every=3), stage_group_dies(7, 2))
+    result = fit(
+        RecoveryPolicy(exact_only=True, snapshots=SnapshotPolicy(peer_every=3)),
+        stage_group_dies(7, 2),
+    )
     assert_identical(result, uninterrupted)  # the replay is deterministic
     (event,) = result.events
     assert event.strategy == "rollback" and event.tier == "peer"
@@ -69,7 +72,7 @@ def test_buddies_lost_too_falls_back_to_the_durable_tier(
         for r in sorted(doomed)
     ]
     policy = RecoveryPolicy(
-        exact_only=True, snapshot_every=3, durable_every=2, snapshot_dir=str(tmp_path)
+        exact_only=True, snapshots=SnapshotPolicy(peer_every=3, durable_every=2, dir=str(tmp_path))
     )
     result = fit(policy, faults)
     assert_identical(result, uninterrupted)
@@ -79,11 +82,14 @@ def test_buddies_lost_too_falls_back_to_the_durable_tier(
 
 def test_no_snapshot_left_exhausts_redundancy() -> None:
     with pytest.raises(RedundancyExhausted, match="no snapshot survives"):
-        fit(RecoveryPolicy(exact_only=True, snapshot_every=None), stage_group_dies(3, 1))
+        fit(
+            RecoveryPolicy(exact_only=True, snapshots=SnapshotPolicy(peer_every=None)),
+            stage_group_dies(3, 1),
+        )
 
 
 def test_a_policy_that_forbids_rollback_says_which_plan_failed() -> None:
-    policy = RecoveryPolicy(allowed=("replica_copy",), snapshot_every=3)
+    policy = RecoveryPolicy(allowed=("replica_copy",), snapshots=SnapshotPolicy(peer_every=3))
     with pytest.raises(
         RedundancyExhausted, match=r"stage 1 lost all 2 replica.*Rollback is not allowed"
     ):
@@ -91,7 +97,10 @@ def test_a_policy_that_forbids_rollback_says_which_plan_failed() -> None:
 
 
 def test_injected_nan_rolls_back_instead_of_poisoning_the_model(uninterrupted: FitResult) -> None:
-    result = fit(RecoveryPolicy(snapshot_every=3), [Corrupt(step=5, stage=1, replica=1)])
+    result = fit(
+        RecoveryPolicy(snapshots=SnapshotPolicy(peer_every=3)),
+        [Corrupt(step=5, stage=1, replica=1)],
+    )
     assert_identical(result, uninterrupted)
     (event,) = result.events
     assert event.cause == "numerical fault" and event.tier == "peer" and event.lost_steps == 5 - 3
@@ -155,7 +164,9 @@ def _flip_a_byte(path: Path) -> None:
 def test_corrupted_durable_snapshot_is_detected_and_the_previous_one_used(
     uninterrupted: FitResult, tmp_path: Path, damage: str
 ) -> None:
-    policy = RecoveryPolicy(snapshot_every=None, durable_every=2, keep_durable=3)
+    policy = RecoveryPolicy(
+        snapshots=SnapshotPolicy(peer_every=None, durable_every=2, keep_durable=3)
+    )
     Trainer(tiny_llama(), topology=TOPOLOGY, policy=policy, run_dir=tmp_path).fit(6)
     snaps = tmp_path / "snapshots"
     newest = snaps / "step_00000006" / "rank_0003"
@@ -171,7 +182,9 @@ def test_corrupted_durable_snapshot_is_detected_and_the_previous_one_used(
 
 
 def test_no_intact_durable_snapshot_is_a_clear_error(tmp_path: Path) -> None:
-    policy = RecoveryPolicy(snapshot_every=None, durable_every=2, keep_durable=1)
+    policy = RecoveryPolicy(
+        snapshots=SnapshotPolicy(peer_every=None, durable_every=2, keep_durable=1)
+    )
     Trainer(tiny_llama(), topology=TOPOLOGY, policy=policy, run_dir=tmp_path).fit(4)
     for data in (tmp_path / "snapshots").glob("step_*/rank_*/*.distcp"):
         _flip_a_byte(data)

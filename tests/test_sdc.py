@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from parallelism import Topology
-from recovery import BitFlip, FailureSchedule, Kill, KillPoint, RecoveryPolicy
+from recovery import BitFlip, FailureSchedule, Kill, KillPoint, RecoveryPolicy, SnapshotPolicy
 from recovery.errors import RedundancyExhausted
 from recovery.integrity.fingerprint import fingerprint, flip_bit, state_tensors
 from recovery.integrity.fingerprint_vote import can_vote, vote
@@ -287,7 +287,7 @@ def test_three_replicas_find_the_flipped_worker_within_k_steps_and_end_exact(
 ) -> None:
     top = Topology(2, 3)
     flip = BitFlip(step=step, stage=stage, replica=replica, at=at, seed=seed)
-    policy = RecoveryPolicy(fingerprint_every=every, snapshot_every=2)
+    policy = RecoveryPolicy(fingerprint_every=every, snapshots=SnapshotPolicy(peer_every=2))
     controller = run(top, flip, policy=policy)
     assert_same(controller.final_states, oracles[top].final_states)
     if not controller.events:
@@ -327,7 +327,11 @@ def test_two_replicas_roll_back_to_the_last_agreeing_snapshot_and_end_exact(
 ) -> None:
     top = Topology(2, 2)
     flip = BitFlip(step=step, stage=stage, replica=replica, at=at, seed=seed)
-    controller = run(top, flip, policy=RecoveryPolicy(fingerprint_every=every, snapshot_every=2))
+    controller = run(
+        top,
+        flip,
+        policy=RecoveryPolicy(fingerprint_every=every, snapshots=SnapshotPolicy(peer_every=2)),
+    )
     assert_same(controller.final_states, oracles[top].final_states)
     if not controller.events:
         assert_absorbed_before_its_check(top, flip, every)
@@ -443,7 +447,7 @@ def test_a_corrupted_transfer_with_no_other_replica_falls_to_a_rollback(
         Kill(step=3, stage=0, replica=0),
         BitFlip(step=3, stage=0, replica=1, seed=5, in_flight=True),
     )
-    controller = run(top, *faults, policy=RecoveryPolicy(snapshot_every=2))
+    controller = run(top, *faults, policy=RecoveryPolicy(snapshots=SnapshotPolicy(peer_every=2)))
     assert_same(controller.final_states, oracles[top].final_states)
     (event,) = controller.events
     assert event.strategy == Strategy.ROLLBACK and event.step - event.lost_steps == 2
@@ -455,7 +459,7 @@ def test_a_corrupted_transfer_with_no_source_left_is_a_recovery_error_naming_it(
         Kill(step=3, stage=0, replica=0),
         BitFlip(step=3, stage=0, replica=1, seed=5, in_flight=True),
     )
-    policy = RecoveryPolicy(snapshot_every=None)
+    policy = RecoveryPolicy(snapshots=SnapshotPolicy(peer_every=None))
     controller, _ = make(mlp_spec(), Topology(2, 2), *faults, policy=policy, steps=STEPS)
     drive(controller)
     assert isinstance(controller.error, RedundancyExhausted), controller.error
@@ -474,7 +478,7 @@ def test_a_flip_in_a_snapshot_held_by_a_peer_is_caught_before_it_is_restored(
     replicas are bit-identical: `Redundancy.stand_ins`) -- and the job ends exact."""
     top = Topology(2, 2)
     kills = [Kill(step=5, stage=0, replica=r) for r in range(2)]
-    policy = RecoveryPolicy(fingerprint_every=2, snapshot_every=2)
+    policy = RecoveryPolicy(fingerprint_every=2, snapshots=SnapshotPolicy(peer_every=2))
     controller, group = make(mlp_spec(), top, *kills, policy=policy, steps=STEPS, nodes=3)
     try:
         while controller.step < 5:

@@ -39,27 +39,29 @@ def test_waits_out_of_order_are_refused_naming_both(
     assert text.index(f"timeouts.{shorter}") < text.index(f"timeouts.{longer}")
 
 
-def test_the_flat_keywords_are_checked_too() -> None:
-    with pytest.raises(ValueError, match=r"hang_timeout_s .* collective_timeout_s"):
-        RecoveryPolicy(hang_timeout_s=900, collective_timeout_s=100)
-    with pytest.raises(ValueError, match=r"replace_timeout_s .* timeouts\.start"):
-        RecoveryPolicy(replace_timeout_s=301)
+def test_timeouts_given_as_a_mapping_are_checked_too() -> None:
+    with pytest.raises(ValueError, match=r"timeouts\.hang .* timeouts\.collective"):
+        RecoveryPolicy(timeouts={"hang": 900, "collective": 100})
+    with pytest.raises(ValueError, match=r"timeouts\.replace .* timeouts\.start"):
+        RecoveryPolicy(timeouts={"replace": 301})
 
 
 def test_the_backend_timeout_follows_a_raised_hang_timeout() -> None:
     """Left unset, ``collective`` is derived, so raising ``hang`` alone is never refused."""
-    policy = RecoveryPolicy(hang_timeout_s=900)
+    policy = RecoveryPolicy(timeouts=Timeouts(hang=900))
     assert policy.timeouts.collective is None
     assert policy.timeouts.backend_timeout == timedelta(seconds=1800)
-    assert RecoveryPolicy(hang_timeout_s=0.5).timeouts.backend_timeout == timedelta(seconds=600)
+    assert RecoveryPolicy(timeouts=Timeouts(hang=0.5)).timeouts.backend_timeout == timedelta(
+        seconds=600
+    )
     assert Timeouts(collective=45, hang=1, transfer=2).backend_timeout == timedelta(seconds=45)
 
 
 def test_the_tiny_timeouts_tests_use_are_still_valid() -> None:
     for policy in (
-        RecoveryPolicy(hang_timeout_s=0.5),
-        RecoveryPolicy(hang_timeout_s=3.0),
-        RecoveryPolicy(replace_timeout_s=7),
+        RecoveryPolicy(timeouts=Timeouts(hang=0.5)),
+        RecoveryPolicy(timeouts=Timeouts(hang=3.0)),
+        RecoveryPolicy(timeouts=Timeouts(replace=7)),
         RecoveryPolicy(timeouts=Timeouts(control=0.5)),  # type: ignore[arg-type]
     ):
         assert policy.timeouts.backend_timeout > policy.timeouts.hang

@@ -9,7 +9,7 @@ import torch
 
 from parallelism import Topology
 from parallelism.zero import partition
-from recovery import FitResult, RecoveryPolicy, Trainer
+from recovery import FitResult, RecoveryPolicy, SnapshotPolicy, Trainer
 from recovery.faults import FailureSchedule, Kill, KillPoint
 from tests.workloads import mlp_spec, tiny_llama
 
@@ -95,7 +95,7 @@ def test_losing_a_replica_and_its_mirror_rolls_back(zero_oracle: FitResult) -> N
     faults = FailureSchedule(
         [Kill(step=5, stage=0, replica=r, at=KillPoint.MID_PIPELINE) for r in (0, 1)]
     )
-    policy = RecoveryPolicy(snapshot_every=2)
+    policy = RecoveryPolicy(snapshots=SnapshotPolicy(peer_every=2))
     result = Trainer(zero_llama(), topology=Topology(2, 3), policy=policy, failures=faults).fit(  # type: ignore[arg-type]
         STEPS
     )

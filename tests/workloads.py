@@ -8,6 +8,7 @@ import time
 import torch
 from torch import nn
 
+from parallelism.workloads.llama_spec import llama_spec
 from recovery import TrainSpec
 from recovery.worker import StageWorker
 
@@ -57,7 +58,7 @@ def mlp_spec(**overrides) -> TrainSpec:  # type: ignore[no-untyped-def]
 @functools.cache
 def tiny_llama(schedule: str = "1f1b", microbatches: int = 4, seed: int = 0) -> TrainSpec:
     """The built-in LLaMA workload at test size (cached: the corpus loads once)."""
-    return TrainSpec.llama(
+    return llama_spec(
         preset="tiny",
         seq_len=32,
         microbatch_size=2,

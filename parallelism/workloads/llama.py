@@ -37,7 +37,7 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -155,12 +155,16 @@ class LlamaConfig:
         return self.dim + self.dim * self.vocab_size
 
 
+LlamaPreset = Literal["tiny", "demo", "small", "medium"]
+"""A named `LlamaConfig` (`LlamaConfig.preset`)."""
+
 _PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"dim": 32, "n_layers": 4, "n_heads": 4, "max_seq_len": 32},
     "demo": {"dim": 128, "n_layers": 8, "n_heads": 4, "max_seq_len": 128},
     "small": {"dim": 512, "n_layers": 8, "n_heads": 8, "max_seq_len": 256},
     "medium": {"dim": 768, "n_layers": 12, "n_heads": 12, "max_seq_len": 512},
 }
+assert tuple(_PRESETS) == get_args(LlamaPreset), "LlamaPreset != _PRESETS"
 
 
 class RMSNorm(nn.Module):

@@ -24,12 +24,21 @@ import sys
 import time
 
 from parallelism import Topology
-from recovery import Trainer, TrainSpec
+from parallelism.workloads.dlrm import dlrm_spec
+from parallelism.workloads.llama_spec import llama_spec
+from recovery import Trainer
 from recovery.events import summary_table
 from recovery.faults import FailureSchedule, Kill, KillPoint
 from recovery.integrity.fingerprint import RECOMMENDED_FINGERPRINT_EVERY
 from recovery.names import Mode
-from recovery.policy import MODES, RecoveryPolicy
+from recovery.policy import (
+    MODES,
+    MirrorPolicy,
+    RecoveryPolicy,
+    RestartBaseline,
+    SnapshotPolicy,
+    Timeouts,
+)
 from recovery.rundir import RunDir
 
 
@@ -203,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     dlrm = args.model == "dlrm"
     overrides: dict[str, int] = {}
     if dlrm:
-        spec = TrainSpec.dlrm(
+        spec = dlrm_spec(
             preset=args.preset or "small",
             data=args.data,
             batch_size=args.batch_size,
@@ -220,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             if value
         }
         overrides["max_seq_len"] = max(args.seq_len, 1)
-        spec = TrainSpec.llama(
+        spec = llama_spec(
             preset=args.preset or "tiny",
             data=args.data,
             seq_len=args.seq_len,
@@ -244,17 +253,20 @@ def main(argv: list[str] | None = None) -> int:
         strategy=args.strategy,
         hot_spares=args.hot_spares,
         elastic=args.elastic,
-        hang_timeout_s=args.hang_timeout,
+        timeouts=Timeouts(hang=args.hang_timeout),
         fingerprint_every=args.fingerprint_every or None,
-        checkpoint_every=args.checkpoint_every,
+        baseline=RestartBaseline(checkpoint_every=args.checkpoint_every),
         approximate=None if args.approximate == "none" else args.approximate,
         exact_only=args.exact_only,
-        snapshot_every=args.snapshot_every or None,
-        durable_every=args.durable_every or None,
-        embedding=args.embedding,
-        pls_budget=args.pls_budget,
-        mirror_hot_rows=args.mirror_hot_rows,
-        mirror_every=args.mirror_every,
+        snapshots=SnapshotPolicy(
+            peer_every=args.snapshot_every or None, durable_every=args.durable_every or None
+        ),
+        mirrors=MirrorPolicy(
+            embedding=args.embedding,
+            pls_budget=args.pls_budget,
+            hot_rows=args.mirror_hot_rows,
+            every=args.mirror_every,
+        ),
     )
     run_dir = RunDir(args.out) if args.out else RunDir.new("runs", "train")
     trainer = Trainer(

@@ -11,7 +11,7 @@ affinity. Healthy workers of a finished job are reset and parked in the driver's
 A new actor either gets a worker process on its node (Ray's actor table then shows its
 pid) or waits for the node to have room for its ask. A start that is placed but slow
 (importing torch on a busy machine) is bounded by ``timeout``; one that is not placed at
-all is bounded by ``place_timeout`` (``RecoveryPolicy(replace_timeout_s=...)``): then it
+all is bounded by ``place_timeout`` (``RecoveryPolicy.timeouts.replace``): then it
 is killed and reported in ``CallResults.unplaced`` with what its node has free, instead of
 waiting the start timeout for a node that may never have room.
 """

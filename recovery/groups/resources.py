@@ -6,7 +6,7 @@ set their own torch threads) and, under NCCL, one GPU (a small share of one when
 workers compute on CUDA, see [Note: a GPU shared over Gloo]) -- so on CPUs the scheduler never
 sees a full node. Asking for what a worker really uses (``{"CPU": 1}``) lets Ray, and this
 library, see when a replacement has no room: the start then fails after
-``RecoveryPolicy(replace_timeout_s=...)`` naming the workers it could not place, instead of
+``RecoveryPolicy.timeouts.replace`` naming the workers it could not place, instead of
 waiting for a start timeout. Pure functions; `recovery.groups.ray_group` passes the ask
 to Ray's actor options.
 """

@@ -76,6 +76,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from parallelism.devices import Backend, Device
+from parallelism.spec import TrainSpec
 from parallelism.topology import Topology
 from recovery.errors import (
     RecoveryError,
@@ -125,7 +127,6 @@ from recovery.runtime.states import (
     rebuilding_in,
 )
 from recovery.runtime.steps import Failed, StepRunner
-from recovery.spec import TrainSpec
 from recovery.worker import WorkerInfo
 
 __all__ = ["MAX_INTERRUPTIONS", "Controller", "ControllerConfig", "Phase"]
@@ -135,18 +136,23 @@ log = logging.getLogger("checkfree")
 
 @dataclass
 class ControllerConfig:
-    """How the controller runs the job (set by `Trainer`)."""
+    """How the controller runs the job (set by `Trainer`, which checks every value)."""
 
-    backend: str
-    device: str | None = None
-    """The workers' compute device (parallelism/devices.py); None: the backend's own."""
+    backend: Backend
+    """The workers' process groups: ``"gloo"`` or ``"nccl"``."""
+    device: Device | None = None
+    """The workers' compute device, ``"cpu"`` or ``"cuda"`` (parallelism/devices.py); None:
+    the backend's own."""
     threads_per_worker: int = 1
+    """Torch intra-op threads per worker."""
     eval_every: int = 0
+    """Held-out loss every this many steps (0: never)."""
     eval_batches: int = 1
+    """Held-out batches per evaluation."""
     work_dir: str | None = None
     """Where the restart baseline writes checkpoints (default: a temp folder)."""
     snapshot_dir: str | None = None
-    """Where durable snapshots go (required when the policy sets ``durable_every``)."""
+    """Where durable snapshots go (required when the policy sets ``snapshots.durable_every``)."""
     resume: bool = True
     """Resume from the newest intact durable snapshot in ``snapshot_dir``, if one exists."""
     worker_options: dict[str, Any] = field(default_factory=dict)

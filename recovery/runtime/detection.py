@@ -5,14 +5,14 @@ A step's failure shows up in one of three ways, and `await_step` waits for all o
 once: a dead worker's call gives `WorkerLost` (Ray, or the thread group, notices the
 death); a survivor's call returns a failed `StepReport` (Gloo reported the dead peer, and
 the survivor tore down its groups so that its own peers fail fast too -- see
-``parallelism/comm/gloo_sockets.py``); or nothing returns within ``hang_timeout_s``. In the last case
+``parallelism/comm/gloo_sockets.py``); or nothing returns within ``timeouts.hang``. In the last case
 each silent worker is asked, on its control thread, what it is doing; those not blocked
 on a peer are the hung ones, and they are killed, which turns the hang into the first
 case. A hang is measured from a worker's last progress, not from the step's start: while
-any worker is silent it is asked every ``PROBE_EVERY`` (a quarter of ``hang_timeout_s``,
+any worker is silent it is asked every ``PROBE_EVERY`` (a quarter of ``timeouts.hang``,
 at most 5 s) how long ago it finished a schedule action, and only a worker idle for
-``hang_timeout_s`` counts -- so a long healthy step is never a hang, and a stuck one is
-found within ``hang_timeout_s`` (plus one probe interval) of its last progress. Progress
+``timeouts.hang`` counts -- so a long healthy step is never a hang, and a stuck one is
+found within ``timeouts.hang`` (plus one probe interval) of its last progress. Progress
 and ``waiting_on`` mean the same on a GPU: an action counts once its CUDA work has
 completed, and a wait queued on the GPU names its peer (``parallelism/progress.py``). A failure before the commit decision abandons the step everywhere; a worker that
 dies after it (while applying the step) leaves the step committed for everyone else, and

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from parallelism.spec import TrainSpec
 from parallelism.topology import Topology
 from recovery.errors import RedundancyExhausted, SnapshotCorrupted, TransferCorrupted
 from recovery.groups.group import Call, WorkerGroup, require
@@ -29,7 +30,6 @@ from recovery.policy import RecoveryPolicy
 from recovery.runtime.detection import settle
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.snapshots import DurableStore
-from recovery.spec import TrainSpec
 from recovery.worker import StageWorker
 
 __all__ = ["Restore", "execute", "execute_or_fall_back"]

@@ -16,13 +16,13 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
+from parallelism.spec import TrainSpec
 from parallelism.topology import Topology
 from recovery.groups.group import WorkerGroup, require
 from recovery.names import Strategy
 from recovery.planner import RecoveryPlan, Redundancy
 from recovery.policy import RecoveryPolicy
 from recovery.runtime.ledger import RedundancyLedger
-from recovery.spec import TrainSpec
 from recovery.strategies.pls import PLSLedger
 from recovery.worker import StageWorker
 from recovery.worker.table import TableWorker
@@ -265,7 +265,7 @@ class Zero1Shards(StateLayout):
 
 
 class ShardedTables(StateLayout):
-    """Row-sharded embedding tables (`TrainSpec.dlrm`): every worker holds one shard of
+    """Row-sharded embedding tables (`dlrm_spec`): every worker holds one shard of
     every table and a dense replica; each shard is mirrored on its ring buddy, and a lost
     shard comes back from the mirror, exact or partial (CPR). See recovery/worker/table.py."""
 
@@ -298,7 +298,7 @@ class ShardedTables(StateLayout):
             )
         if device not in (None, "cpu"):
             raise ValueError(
-                f"sharded embedding tables (TrainSpec.dlrm) train on the CPU, not on "
+                f"sharded embedding tables (dlrm_spec) train on the CPU, not on "
                 f"device {device!r}: leave device unset or 'cpu'"
             )
 

@@ -16,6 +16,7 @@ from collections.abc import Collection
 from typing import Any
 
 from parallelism.comm import Rendezvous, host_store
+from parallelism.spec import TrainSpec
 from parallelism.topology import Topology
 from recovery.errors import PlacementFailed
 from recovery.groups.group import WorkerGroup, require, seconds
@@ -26,7 +27,6 @@ from recovery.runtime.elastic import shares
 from recovery.runtime.layouts import StateLayout
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.snapshots import buddies
-from recovery.spec import TrainSpec
 from recovery.worker import StageWorker, StepReport
 
 __all__ = ["Membership"]
@@ -217,13 +217,13 @@ class Membership:
         if started.unplaced:
             raise PlacementFailed(
                 f"could not {what}: {len(started.unplaced)} worker(s) found no room "
-                f"(replace_timeout_s={seconds(timeouts.replace):g}): "
+                f"(timeouts.replace={seconds(timeouts.replace):g} s): "
                 + "; ".join(
                     f"worker {self.topology.worker(rank)}: {why}"
                     for rank, why in sorted(started.unplaced.items())
                 )
                 + ". Add nodes or free their resources, ask for less "
-                "(Trainer(worker_resources=...)), or wait longer (replace_timeout_s)",
+                "(Trainer(worker_resources=...)), or wait longer (timeouts.replace)",
                 unplaced=started.unplaced,
             )
         require(started, what)

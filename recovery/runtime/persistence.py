@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from parallelism.spec import TrainSpec
 from parallelism.topology import Topology
 from recovery.errors import RecoveryError, SnapshotCorrupted
 from recovery.groups.group import WorkerGroup, WorkerMethod, require
@@ -25,7 +26,6 @@ from recovery.runtime.executor import Restore
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.snapshots import DurableStore
 from recovery.snapshots.identity import job_identity
-from recovery.spec import TrainSpec
 from recovery.worker import StageWorker, StepReport
 
 __all__ = ["Persistence"]
@@ -38,7 +38,7 @@ class Persistence:
 
     Args:
         snapshot_dir: where durable snapshots go (needed when the policy sets
-            ``durable_every``).
+            ``snapshots.durable_every``).
         work_dir: where the restart baseline's checkpoints go (default: a temp folder).
     """
 
@@ -123,7 +123,7 @@ class Persistence:
         """
         if not self.snapshot_dir:
             raise ValueError(
-                "durable_every needs a snapshot folder: set snapshot_dir or a run folder"
+                "snapshots.durable_every needs a snapshot folder: set snapshots.dir or a run folder"
             )
         self.durable = DurableStore(self.snapshot_dir)
         self._check_shared(self.snapshot_dir)
@@ -195,7 +195,7 @@ class Persistence:
                 f"durable snapshots need a folder the driver and every worker share, but "
                 f"{where} cannot see {root} (several nodes without a shared file system?). "
                 "Put snapshot_dir on a shared file system (NFS, a cluster volume), or turn "
-                "durable snapshots off (durable_every=None)"
+                "durable snapshots off (snapshots.durable_every=None)"
             )
 
     def note(self, reports: Mapping[int, StepReport]) -> None:

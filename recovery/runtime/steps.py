@@ -65,6 +65,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from parallelism.spec import TrainSpec
 from parallelism.topology import Topology
 from recovery.errors import RecoveryInterrupted
 from recovery.events import RecoveryEvent
@@ -83,7 +84,6 @@ from recovery.runtime.detection import (
 from recovery.runtime.membership import Membership
 from recovery.runtime.persistence import Persistence
 from recovery.runtime.records import Failure, PendingEvent, StepRecord, step_record
-from recovery.spec import TrainSpec
 from recovery.worker import StageWorker, StepReport
 
 __all__ = ["BATCH_S", "BATCH_STEPS", "Committed", "Failed", "StepRunner"]

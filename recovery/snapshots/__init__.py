@@ -12,13 +12,13 @@
 
 Snapshots for the ``rollback`` strategy come in two tiers: peer memory and durable files.
 
-*Peer memory* (`recovery.snapshots.peer`): every ``snapshot_every`` steps each worker
+*Peer memory* (`recovery.snapshots.peer`): every ``snapshots.peer_every`` steps each worker
 packs its state into one contiguous byte tensor (`pack_state`, in
 `recovery.snapshots.packing`), keeps that copy itself and sends it to its buddy
 (`buddy_of`, in `recovery.snapshots.buddies`), which holds it in `PeerSnapshots`. It
 survives any failure that does not take a worker and its buddy together.
 
-*Durable* (`recovery.snapshots.durable`): every ``durable_every`` steps each worker
+*Durable* (`recovery.snapshots.durable`): every ``snapshots.durable_every`` steps each worker
 writes its state with torch.distributed.checkpoint to a folder, asynchronously and
 checksummed (`DurableStore`). It survives anything, driver death included.
 

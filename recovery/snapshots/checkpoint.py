@@ -3,7 +3,7 @@
 Layout: ``<root>/step_<step>/rank_<rank>/`` holds one worker's whole state: model,
 optimizer and progress. A worker writes into a temporary folder and renames it into place, so a
 folder that exists is complete. This is what the ``restart`` baseline writes every
-``checkpoint_every`` steps -- the checkpoint/restart practice of torchrun and Ray Train
+``baseline.checkpoint_every`` steps -- the checkpoint/restart practice of torchrun and Ray Train
 that the recovery strategies are measured against.
 
 The DCP primitives here (`load_worker_state`, over `recovery.state.dcp_state`: every part

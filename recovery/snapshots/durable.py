@@ -1,6 +1,6 @@
 """The durable snapshot tier: each rank's state written asynchronously with DCP, checksummed.
 
-Every ``durable_every`` steps each worker writes its state with
+Every ``snapshots.durable_every`` steps each worker writes its state with
 torch.distributed.checkpoint (DCP) to a folder -- a shared filesystem on a real cluster --
 asynchronously (`DurableStore.write`), with a checksummed manifest; the controller then
 marks the step complete (`DurableStore.commit`). It survives anything, driver death

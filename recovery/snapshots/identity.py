@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from recovery.spec import TrainSpec
+from parallelism.spec import TrainSpec
 
 __all__ = ["describe", "job_identity"]
 

@@ -1,6 +1,6 @@
 """The peer-memory snapshot tier: packed states held in a buddy's memory for a few steps.
 
-Every ``snapshot_every`` steps each worker packs its state (`pack_state`), keeps that copy
+Every ``snapshots.peer_every`` steps each worker packs its state (`pack_state`), keeps that copy
 itself and sends it to its buddy (`buddy_of`), which holds it in `PeerSnapshots`. A
 rollback to step S needs every rank's state at S somewhere alive (`peer_rollback_step`):
 survivors use their own copies, dead workers' replacements get theirs back from the

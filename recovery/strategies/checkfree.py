@@ -50,6 +50,7 @@ import enum
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor, nn
@@ -90,6 +91,11 @@ class Averaging(str, enum.Enum):
     """Re-initialise: the template's fresh weights."""
 
 
+AveragingName = Literal["weighted", "uniform", "copy", "copy_prev", "copy_next", "random"]
+"""An `Averaging` by its value."""
+assert get_args(AveragingName) == tuple(a.value for a in Averaging), "AveragingName != Averaging"
+
+
 class AblationMethod(StrEnum):
     """How an ablation rebuilt a stage, where no recovery `Strategy` names it (a
     `Rebuilt.method`; the published rebuilds are `Strategy.NEIGHBOR_AVERAGE` and
@@ -111,8 +117,9 @@ class CheckFreeConfig:
             ``lr_scale_steps`` that is not ``None`` or a positive integer.
     """
 
-    averaging: Averaging | str = Averaging.WEIGHTED
-    """How an intermediate stage is rebuilt (an `Averaging` or its value)."""
+    averaging: Averaging | AveragingName = Averaging.WEIGHTED
+    """How an intermediate stage is rebuilt (an `Averaging`, or its value; stored as the
+    `Averaging`)."""
     lr_scale: float = 1.1
     """Learning-rate multiplier of the rebuilt stage (1.1 for the paper's small and large
     models, 1.2 for the medium one)."""

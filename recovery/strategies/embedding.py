@@ -57,7 +57,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
@@ -67,6 +67,7 @@ from recovery.names import Strategy
 
 __all__ = [
     "EMBEDDING_POLICIES",
+    "EmbeddingPolicy",
     "MFUTracker",
     "MirrorCost",
     "MirrorPlan",
@@ -81,9 +82,10 @@ __all__ = [
     "restore_shard",
 ]
 
-EMBEDDING_POLICIES = ("partial", "exact")
+EmbeddingPolicy = Literal["partial", "exact"]
 """``exact``: roll back whenever a lost row has no current copy; ``partial``: accept
 stale rows while the job's PLS stays within its budget."""
+EMBEDDING_POLICIES: tuple[EmbeddingPolicy, ...] = get_args(EmbeddingPolicy)
 
 _INDEX_BYTES = 8  # an int64 row index or count on the wire
 

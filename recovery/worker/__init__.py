@@ -20,7 +20,7 @@ class `StageWorker`:
 - ``memory``: a worker process keeps the memory it has touched, so a recovery writes into
   warm pages.
 - ``table``: `TableWorker`, a `StageWorker` for row-sharded embedding tables
-  (`TrainSpec.dlrm`): one row shard of every table plus a dense replica. Not imported
+  (`dlrm_spec`): one row shard of every table plus a dense replica. Not imported
   here; `recovery.runtime.layouts` picks it for such a spec.
 """
 

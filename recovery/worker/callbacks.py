@@ -12,8 +12,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from parallelism.spec import TrainSpec
 from recovery.errors import CallbackError
-from recovery.spec import TrainSpec
 
 _AT_START = ("build_stage", "make_optimizer", "shared_params")
 """Callbacks a worker calls while it is set up (no step yet)."""

@@ -20,9 +20,9 @@ from parallelism.devices import compute_device, deterministic_cuda
 from parallelism.engine import StageEngine, drop_kept_buffers
 from parallelism.schedule import build_schedule, forward_only, swapped_routes
 from parallelism.seeding import Randomness
+from parallelism.spec import TrainSpec
 from parallelism.topology import Topology
 from parallelism.zero import ZeroShard
-from recovery.spec import TrainSpec
 from recovery.state import Progress, WorkerState
 from recovery.transport import DigestsAhead
 from recovery.worker.callbacks import guard_callbacks

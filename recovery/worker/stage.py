@@ -61,9 +61,9 @@ import torch
 from parallelism.buffers import evaluating
 from parallelism.engine import Share, StepStats
 from parallelism.schedule import Schedule
+from parallelism.spec import BatchFn, apply_lr_schedule
 from recovery.faults import BitFlip, Corrupt, Fault, Kill, KillPoint, WorkerFault
 from recovery.integrity.fingerprint import fingerprint, flip_bit
-from recovery.spec import BatchFn, apply_lr_schedule
 from recovery.transport import DigestsAhead
 from recovery.worker.reports import StepReport, is_comm_error
 from recovery.worker.snapshots import Snapshotting

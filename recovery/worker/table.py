@@ -1,4 +1,4 @@
-"""The worker of a model with row-sharded embedding tables (`TrainSpec.dlrm`), as a Ray actor.
+"""The worker of a model with row-sharded embedding tables (`dlrm_spec`), as a Ray actor.
 
 `TableWorker` is a `recovery.worker.StageWorker` whose "stage" is one shard of every
 embedding table plus a replica of the dense part (`parallelism.dlrm.DLRMWorker`); the
@@ -11,7 +11,7 @@ Every worker mirrors the shard of its ward -- the worker before it on the snapsh
 in a `recovery.strategies.embedding.ShardCopy`. In phase one of a step, once the row
 gradients are exchanged, the owner computes the `MirrorUpdate` its commit will imply
 (`mirror_update_before_commit`: the updated rows and their lookups, and the post-commit
-values of the hot rows, or of every row every ``mirror_every`` steps) and sends it to its
+values of the hot rows, or of every row every ``mirrors.every`` steps) and sends it to its
 holder; the holder keeps it pending and applies it only when the step commits, so the
 commit stays local and an abandoned step leaves every mirror as it was. After every
 membership change each owner re-seeds its holder with a full copy (`seed_mirror`).
@@ -21,7 +21,7 @@ rows whose copy is current come back exact, the others stale, with the lookups w
 updates were lost (the PLS, see recovery/strategies/embedding.py). The holder also holds
 a replica of the dense part, so one transfer gives the replacement everything; survivors
 do not roll back. The planner decides from the holders' assessment (`assess_mirror`)
-whether that is allowed (``RecoveryPolicy.embedding``, ``pls_budget``).
+whether that is allowed (``RecoveryPolicy.mirrors``: ``embedding``, ``pls_budget``).
 
 The tables train on the CPU over Gloo; a GPU job keeps them there too (not tested on GPUs).
 """
@@ -38,12 +38,12 @@ from torch import nn
 
 from parallelism.comm import Rendezvous, StageComm
 from parallelism.engine import StepStats
+from parallelism.spec import TrainSpec
 from parallelism.topology import Topology
 from parallelism.workloads.clicks import ClickBatch
 from parallelism.workloads.dlrm import ProcessGroupCollective
 from recovery.errors import TransferCorrupted
 from recovery.faults import Fault, KillPoint
-from recovery.spec import TrainSpec
 from recovery.state import WorkerState
 from recovery.strategies.embedding import (
     MFUTracker,
@@ -102,7 +102,7 @@ class TableWorker(StageWorker):
         """
         start = time.perf_counter()
         if spec.tables is None:
-            raise ValueError("TableWorker needs a TrainSpec with tables (TrainSpec.dlrm)")
+            raise ValueError("TableWorker needs a TrainSpec with tables (dlrm_spec)")
         if backend != "gloo":
             raise ValueError(
                 f"sharded embedding tables train on the CPU over Gloo, not {backend!r}"

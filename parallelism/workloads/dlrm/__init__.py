@@ -21,7 +21,8 @@ the same model unsharded in one process, the reference the sharded trainer must 
 
 The modules: `model` (sizes, dense part, sparse optimizer, the unsharded reference,
 metrics), `sharding` ([Note: row sharding]), `collectives` (the exchange's
-communication) and `training` (one worker's step, [Note: embedding exchange]).
+communication), `training` (one worker's step, [Note: embedding exchange]) and `spec`
+(`dlrm_spec`: the workload as a `parallelism.spec.TrainSpec`).
 """
 
 from parallelism.workloads.dlrm.collectives import Collective, LocalGroup, ProcessGroupCollective
@@ -37,6 +38,7 @@ from parallelism.workloads.dlrm.model import (
     rowwise_adagrad_,
 )
 from parallelism.workloads.dlrm.sharding import EmbeddingShard, ShardLayout, assemble_tables
+from parallelism.workloads.dlrm.spec import DLRMPreset, dlrm_spec
 from parallelism.workloads.dlrm.training import (
     DLRMTraining,
     DLRMWorker,
@@ -51,6 +53,7 @@ __all__ = [
     "DLRM",
     "Collective",
     "DLRMConfig",
+    "DLRMPreset",
     "DLRMTraining",
     "DLRMWorker",
     "DenseDLRM",
@@ -64,6 +67,7 @@ __all__ = [
     "StepUpdate",
     "assemble_tables",
     "dlrm_loss",
+    "dlrm_spec",
     "init_table_rows",
     "log_loss",
     "predict_unsharded",

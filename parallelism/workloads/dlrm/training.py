@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from parallelism.checks import check_number
+from parallelism.topology import Topology
 from parallelism.workloads.clicks import ClickBatch
 from parallelism.workloads.dlrm.collectives import Collective, LocalGroup
 from parallelism.workloads.dlrm.model import (
@@ -304,8 +305,9 @@ def _grad(p: nn.Parameter) -> Tensor:
 
 @dataclass(frozen=True)
 class DLRMTraining:
-    """How the runtime trains a DLRM (`recovery.spec.TrainSpec.dlrm`): the model and the
-    learning rates of its two optimizers.
+    """How the runtime trains a DLRM (``TrainSpec.tables``, made by
+    `parallelism.workloads.dlrm.spec.dlrm_spec`): the model and the learning rates of its
+    two optimizers.
 
     Raises:
         ValueError: for a non-positive learning rate or epsilon.
@@ -321,6 +323,41 @@ class DLRMTraining:
     def __post_init__(self) -> None:
         for name in ("sparse_lr", "dense_lr", "eps"):
             check_number(f"DLRMTraining.{name}", getattr(self, name), positive=True)
+
+    def check(
+        self, topology: Topology, batch_fns: Sequence[Callable[[int, int, int], object] | None]
+    ) -> int:
+        """Validate a job of this model against ``topology`` on the driver, before any worker
+        starts (`TrainSpec.check`); ``batch_fns``: its training and held-out batches.
+
+        Returns the samples per step over all workers.
+
+        Raises:
+            ValueError: for more than one stage, tables too small to shard over the workers,
+                or batches that are not `ClickBatch` es of the model's dense features.
+        """
+        if topology.stages != 1:
+            raise ValueError(
+                "a model with sharded embedding tables trains data-parallel with its tables "
+                f"row-sharded over all workers: use 1 stage (--stages 1), got {topology.stages}"
+            )
+        ShardLayout(self.config.table_rows, topology.replicas)  # raises if too small
+        sizes: set[int] = set()
+        for fn in batch_fns:
+            if fn is None:
+                continue
+            batch = fn(0, 0, topology.replicas)
+            if not isinstance(batch, ClickBatch):
+                raise ValueError(
+                    f"batches() of a DLRM must return a ClickBatch, got {type(batch).__name__}"
+                )
+            if batch.dense.shape[1] != self.config.dense_features:
+                raise ValueError(
+                    f"batches have {batch.dense.shape[1]} dense features, the model "
+                    f"{self.config.dense_features}"
+                )
+            sizes.add(len(batch))
+        return min(sizes) * topology.replicas
 
     def worker(self, rank: int, world_size: int, *, seed: int) -> DLRMWorker:
         """Worker ``rank`` of ``world_size`` at the initial state.

@@ -1,37 +1,63 @@
 """What to train: the user's model, loss, optimizer and data, as plain callbacks.
 
-`TrainSpec` is the contract between a user and the runtime. Every callback runs inside the
-workers (so it must be picklable -- module-level functions, ``functools.partial`` or
-closures over picklable values all work) and must be deterministic: the runtime relies on
-``batches(step, replica, num_replicas)`` returning the same tensors every time it is asked,
-which is what lets a rebuilt worker resume exactly where the lost one stopped.
-`TrainSpec.llama` gives a ready-made workload: a LLaMA-style decoder on real text;
-`TrainSpec.dlrm` a recommendation model whose embedding tables are sharded over the workers.
+`TrainSpec` is the contract between a user and the runtime: how one training job is laid
+out (model stages, loss, optimizer, data); it knows nothing of failures. Every callback
+runs inside the workers (so it must be picklable -- module-level functions,
+``functools.partial`` or closures over picklable values all work) and must be
+deterministic: the runtime relies on ``batches(step, replica, num_replicas)`` returning the
+same tensors every time it is asked, which is what lets a rebuilt worker resume exactly
+where the lost one stopped. `TrainSpec.from_module` cuts a user's whole model into stages.
+The built-in workloads live beside their models and build a `TrainSpec` (this module
+imports none of them): `parallelism.workloads.llama_spec.llama_spec`, a LLaMA-style decoder
+on real text, and `parallelism.workloads.dlrm.spec.dlrm_spec`, a recommendation model whose
+embedding tables are sharded over the workers.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, TypeAlias, get_args
 
 import torch
 from torch import nn
 
-from parallelism.checks import check_int, check_number
+from parallelism.checks import check_bool, check_choice
 from parallelism.schedule import SCHEDULES
 from parallelism.seeding import seed_everything
 from parallelism.split import ModelSplit
 from parallelism.topology import Topology
-from parallelism.workloads.clicks import ClickBatch
-from parallelism.workloads.dlrm import DLRMTraining
+
+if TYPE_CHECKING:
+    from parallelism.workloads.clicks import ClickBatch
+    from parallelism.workloads.dlrm import DLRMTraining
+
+__all__ = [
+    "ROUTES",
+    "SCHEDULE_NAMES",
+    "Batch",
+    "BatchFn",
+    "Routes",
+    "ScheduleName",
+    "TrainSpec",
+    "apply_lr_schedule",
+    "linear_warmup",
+]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-BatchFn = Callable[[int, int, int], Batch | ClickBatch]
+BatchFn: TypeAlias = "Callable[[int, int, int], Batch | ClickBatch]"
 """``(step, replica, num_replicas) -> batch``: (inputs, targets), or a `ClickBatch` for a
 model with sharded tables."""
+
+ScheduleName = Literal["1f1b", "gpipe"]
+"""A pipeline schedule (`parallelism.schedule.SCHEDULES`)."""
+SCHEDULE_NAMES: tuple[ScheduleName, ...] = get_args(ScheduleName)
+assert set(SCHEDULE_NAMES) == set(SCHEDULES), "ScheduleName != SCHEDULES"
+Routes = Literal["natural", "swapped"]
+"""Microbatch routes through the stages (see `TrainSpec.routes`)."""
+ROUTES: tuple[Routes, ...] = get_args(Routes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,8 +65,9 @@ class TrainSpec:
     """A training job's model, loss, optimizer and data.
 
     Raises:
-        ValueError: for a non-callable callback, ``microbatches < 1``, an unknown
-            schedule or a non-positive ``clip_grad_norm``.
+        ValueError: for a non-callable callback, ``microbatches < 1``, a schedule or routes
+            not among the allowed values (naming them), a ``shard_optimizer`` that is not a
+            bool, or a non-positive ``clip_grad_norm``.
     """
 
     build_stage: Callable[[int, int], nn.Module]
@@ -57,7 +84,7 @@ class TrainSpec:
     """Microbatches per replica per step."""
     seed: int = 0
     """Seeds the initial weights and all per-step randomness."""
-    schedule: str = "1f1b"
+    schedule: ScheduleName = "1f1b"
     """Pipeline schedule: ``"1f1b"`` or ``"gpipe"``."""
     clip_grad_norm: float | None = None
     """Clip each stage's gradient (after the data-parallel all-reduce) to this L2 norm."""
@@ -68,7 +95,7 @@ class TrainSpec:
     check_stages: Callable[[int], object] | None = None
     """``num_stages -> anything``, run on the driver before any worker starts; raises
     ``ValueError`` if the model cannot be cut into that many stages."""
-    routes: str = "natural"
+    routes: Routes = "natural"
     """Microbatch routes through the stages: ``"natural"``, or ``"swapped"`` (CheckFree+:
     the first two and the last two stages run in swapped order on odd microbatches; the
     stage modules must accept ``first=`` / ``last=``)."""
@@ -81,7 +108,7 @@ class TrainSpec:
     on the ring neighbour (see parallelism/zero.py). Needs at least 2 replicas; a lost
     replica's shard comes back bit-exact from the mirror (``shard_mirror``)."""
     tables: DLRMTraining | None = None
-    """A recommendation model with row-sharded embedding tables (`TrainSpec.dlrm`): every
+    """A recommendation model with row-sharded embedding tables (`dlrm_spec`): every
     worker holds one shard of every table and a replica of the dense part; the topology
     is one stage by ``replicas`` workers; ``batches`` returns a
     `parallelism.workloads.clicks.ClickBatch`. None: a pipeline of ``build_stage`` modules."""
@@ -100,12 +127,9 @@ class TrainSpec:
             raise ValueError(f"microbatches must be an integer, got {self.microbatches!r}")
         if self.microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(
-                f"unknown schedule {self.schedule!r}; choose one of {sorted(SCHEDULES)}"
-            )
-        if self.routes not in ("natural", "swapped"):
-            raise ValueError(f"routes must be 'natural' or 'swapped', got {self.routes!r}")
+        check_choice("schedule", self.schedule, SCHEDULE_NAMES)
+        check_choice("routes", self.routes, ROUTES)
+        check_bool("shard_optimizer", self.shard_optimizer)
         if self.shared_params is not None and not callable(self.shared_params):
             raise ValueError(
                 f"TrainSpec.shared_params must be callable or None, got {self.shared_params!r}"
@@ -173,7 +197,7 @@ class TrainSpec:
                 batch cannot be split into the microbatches.
         """
         if self.tables is not None:
-            return self._check_tables(topology)
+            return self.tables.check(topology, (self.batches, self.val_batches))
         if self.check_stages is not None:
             self.check_stages(topology.stages)
         if self.shard_optimizer and topology.replicas < 2:
@@ -195,33 +219,6 @@ class TrainSpec:
                 self.build_stage.check_microbatch(held_out[0], "val_batches(0, 0, ...)")
         return sum(int(t.numel()) for t in targets) * topology.replicas
 
-    def _check_tables(self, topology: Topology) -> int:
-        from parallelism.workloads.dlrm import ShardLayout
-
-        assert self.tables is not None
-        if topology.stages != 1:
-            raise ValueError(
-                "a model with sharded embedding tables trains data-parallel with its tables "
-                f"row-sharded over all workers: use 1 stage (--stages 1), got {topology.stages}"
-            )
-        ShardLayout(self.tables.config.table_rows, topology.replicas)  # raises if too small
-        sizes: set[int] = set()
-        for fn in (self.batches, self.val_batches):
-            if fn is None:
-                continue
-            batch = fn(0, 0, topology.replicas)
-            if not isinstance(batch, ClickBatch):
-                raise ValueError(
-                    f"batches() of a DLRM must return a ClickBatch, got {type(batch).__name__}"
-                )
-            if batch.dense.shape[1] != self.tables.config.dense_features:
-                raise ValueError(
-                    f"batches have {batch.dense.shape[1]} dense features, the model "
-                    f"{self.tables.config.dense_features}"
-                )
-            sizes.add(len(batch))
-        return min(sizes) * topology.replicas
-
     # -- the user's own model ------------------------------------------------------------
 
     @classmethod
@@ -238,7 +235,7 @@ class TrainSpec:
         microbatches: int = 4,
         seed: int = 0,
         val_batches: BatchFn | None = None,
-        schedule: str = "1f1b",
+        schedule: ScheduleName = "1f1b",
         clip_grad_norm: float | None = None,
         lr_schedule: Callable[[int], float] | None = None,
         name: str | None = None,
@@ -292,170 +289,6 @@ class TrainSpec:
             name=name if name else str(getattr(make_model, "__name__", "module")),
         )
 
-    # -- ready-made workloads ------------------------------------------------------------
-
-    @classmethod
-    def dlrm(
-        cls,
-        *,
-        preset: str = "tiny",
-        data: str | os.PathLike[str] | None = None,
-        batch_size: int = 256,
-        sparse_lr: float = 0.05,
-        dense_lr: float = 1e-3,
-        seed: int = 0,
-        zipf_alpha: float = 1.05,
-        categorical: str = "hash",
-        **config_overrides: object,
-    ) -> TrainSpec:
-        """A DLRM-style recommendation model on click logs, its tables row-sharded.
-
-        Args:
-            preset: model size, ``"tiny"`` (tests) or ``"small"`` (387,500 rows, 8 tables).
-            data: a Criteo-format TSV file (see `parallelism.workloads.clicks.read_criteo`; the
-                model's tables must then number 26 with 13 dense features), parsed once per
-                machine into a memory-mapped cache (`ClickDataset.from_criteo`; the spec
-                carries the path, not the samples); by default generated click logs with
-                Zipf ids and a planted truth.
-            batch_size: samples per worker per step.
-            sparse_lr, dense_lr: row-wise Adagrad of the rows, Adam of the dense part.
-            categorical: how the Criteo file names rows, ``"hash"`` or ``"index"``.
-            config_overrides: fields of `parallelism.workloads.dlrm.DLRMConfig` to change.
-
-        Raises:
-            ValueError: for an unknown preset, a bad size, or a bad data file.
-        """
-        check_number("sparse_lr", sparse_lr, positive=True)
-        check_number("dense_lr", dense_lr, positive=True)
-        from parallelism.workloads.clicks import ClickDataset, ClickLogs
-        from parallelism.workloads.dlrm import DLRMConfig, dlrm_loss
-
-        config = DLRMConfig.preset(preset, **config_overrides)
-        source: ClickLogs | ClickDataset
-        if data is None:
-            source = ClickLogs(
-                config.table_rows,
-                dense_features=config.dense_features,
-                batch_size=batch_size,
-                seed=seed,
-                zipf_alpha=zipf_alpha,
-            )
-        else:
-            # Parsed once into a memory-mapped cache; the spec carries only its recipe.
-            source = ClickDataset.from_criteo(
-                data,
-                config.table_rows,
-                categorical=categorical,
-                dense_features=config.dense_features,
-                batch_size=batch_size,
-                seed=seed,
-            )
-        training = DLRMTraining(config, sparse_lr=sparse_lr, dense_lr=dense_lr)
-        return cls(
-            build_stage=functools.partial(_dense_stage, config),
-            loss_fn=dlrm_loss,
-            make_optimizer=functools.partial(torch.optim.Adam, lr=dense_lr),
-            batches=source,
-            val_batches=source.validation,
-            microbatches=1,
-            seed=seed,
-            tables=training,
-            name=f"dlrm-{preset}",
-        )
-
-    # -- a ready-made workload -----------------------------------------------------------
-
-    @classmethod
-    def llama(
-        cls,
-        *,
-        preset: str = "tiny",
-        data: str | os.PathLike[str] | None = None,
-        seq_len: int | None = None,
-        microbatch_size: int = 4,
-        microbatches: int = 4,
-        lr: float = 3e-3,
-        warmup_steps: int = 20,
-        weight_decay: float = 0.1,
-        clip_grad_norm: float | None = 1.0,
-        schedule: str = "1f1b",
-        seed: int = 0,
-        max_bytes: int = 8_000_000,
-        checkfree_plus: bool = False,
-        shard_optimizer: bool = False,
-        **config_overrides: int | float,
-    ) -> TrainSpec:
-        """A LLaMA-style decoder trained on byte-level text.
-
-        Args:
-            preset: model size, ``"tiny"`` (tests), ``"small"`` (~25M parameters), ...
-            data: a text, ``.bin`` (uint16 tokens) or ``.npy`` file, or a directory of
-                ``.txt`` files; by default the Python standard library's source code.
-            seq_len: tokens per sample (default: the preset's ``max_seq_len``).
-            microbatch_size, microbatches: samples per microbatch, microbatches per replica.
-            lr, warmup_steps, weight_decay: AdamW with linear warmup then constant rate.
-            checkfree_plus: train for CheckFree+ recovery: swapped routes on odd
-                microbatches, and replicas of the embedding on stage 1 and of the head on
-                stage ``S-2`` (needs ``RecoveryPolicy(approximate="checkfree+")`` to be used).
-            shard_optimizer: ZeRO-1 -- AdamW state sharded over each stage's replicas,
-                each shard mirrored on the ring neighbour.
-            config_overrides: fields of `LlamaConfig` to change (``dim=``, ``n_layers=``...).
-
-        Raises:
-            ValueError: for an unknown preset, a bad size, or a missing data file.
-        """
-        check_number("lr", lr, positive=True)
-        check_number("weight_decay", weight_decay, minimum=0.0)
-        check_int("warmup_steps", warmup_steps, minimum=0)
-        from parallelism.workloads.data import LMBatches, TokenCorpus
-        from parallelism.workloads.llama import (
-            LlamaConfig,
-            build_llama_stage,
-            edge_replica_keys,
-            llama_loss,
-            partition_layers,
-        )
-
-        if data is None:
-            corpus = TokenCorpus.stdlib(max_bytes=max_bytes)
-        else:
-            corpus = TokenCorpus.from_path(data)
-        config = LlamaConfig.preset(preset, vocab_size=corpus.vocab_size, **config_overrides)
-        seq = config.max_seq_len if seq_len is None else seq_len
-        if seq > config.max_seq_len:
-            raise ValueError(f"seq_len {seq} exceeds the model's max_seq_len {config.max_seq_len}")
-        data_fn = LMBatches(
-            corpus,
-            seq_len=seq,
-            microbatch_size=microbatch_size,
-            microbatches=microbatches,
-            seed=seed,
-        )
-        build = functools.partial(build_llama_stage, config)
-        if checkfree_plus:
-            build = functools.partial(
-                build_llama_stage, config, edge_replicas=True, replica_seed=seed
-            )
-        return cls(
-            build_stage=build,
-            loss_fn=llama_loss,
-            make_optimizer=functools.partial(adamw, lr=lr, weight_decay=weight_decay),
-            batches=data_fn,
-            val_batches=data_fn.validation,
-            microbatches=microbatches,
-            seed=seed,
-            schedule=schedule,
-            clip_grad_norm=clip_grad_norm,
-            lr_schedule=functools.partial(linear_warmup, warmup_steps=warmup_steps),
-            check_stages=functools.partial(partition_layers, config),
-            routes="swapped" if checkfree_plus else "natural",
-            shared_params=edge_replica_keys if checkfree_plus else None,
-            shard_optimizer=shard_optimizer,
-            name=f"llama-{preset}"
-            + ("-checkfree+" if checkfree_plus else "")
-            + ("-zero1" if shard_optimizer else ""),
-        )
-
 
 def _check_split(splitter: ModelSplit, num_stages: int | None, stages: int) -> list[str]:
     """`TrainSpec.from_module`'s driver-side check: the split works for the job's stages."""
@@ -464,20 +297,6 @@ def _check_split(splitter: ModelSplit, num_stages: int | None, stages: int) -> l
             f"the model was given num_stages={num_stages}, but the job has {stages} stages"
         )
     return splitter.check(stages)
-
-
-def _dense_stage(config: object, stage: int, num_stages: int) -> nn.Module:
-    """The dense part of a DLRM (what ``build_stage`` names for a sharded-table model)."""
-    from parallelism.workloads.dlrm import DenseDLRM
-
-    return DenseDLRM(config)  # type: ignore[arg-type]
-
-
-def adamw(
-    params: Iterable[nn.Parameter], *, lr: float, weight_decay: float
-) -> torch.optim.Optimizer:
-    """AdamW as LLaMA-style models train with it (betas 0.9/0.95)."""
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
 
 
 def linear_warmup(step: int, *, warmup_steps: int) -> float:
