@@ -29,7 +29,10 @@ from pathlib import Path
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import peers, torch
 torch.set_num_threads(1)
-from recovery.groups.ray_env import connect
+try:
+    from recovery.groups.ray_env import connect
+except ImportError:  # a tree from before recovery/groups/ (d5cff68 and older)
+    from recovery.ray_env import connect
 connect()
 with tempfile.TemporaryDirectory() as tmp:
     steady, back = peers.run_checkfree(int(sys.argv[1]), int(sys.argv[2]), Path(tmp))

@@ -21,6 +21,14 @@ where a hop in which one worker handles ``m`` messages costs the two-worker hop 
 ``n (n - 1)`` messages' CPU spread over the cores). The mesh is one hop with ``m = n - 1``;
 the tree is ``2 * depth`` hops with ``m`` at most the fan-out. A model, stated as one: no
 network latency, and not the table the tree sends down (``32 n`` bytes a link).
+
+``--job-steps N`` (0: skip) also measures the vote where it runs: a failure-free job of
+one stage x ``n`` replicas (the tests' small MLP) on the thread `WorkerGroup` -- the
+controller, the workers deciding each commit, their Gloo groups, no Ray -- run by each
+tree's own ``scripts/bench.py`` in a process of its own, one tree after the other. The
+median and 90th percentile of its committed steps' times (from step 5 on) are what the
+runtime costs per step beside a near-empty model: the control plane and the vote, old and
+new side by side.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
+import json
 import multiprocessing as mp
 import os
 import statistics
@@ -150,6 +159,44 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line, sep, *body])
 
 
+_JOB = """
+import importlib.util, json, resource, statistics, sys
+from pathlib import Path
+import torch
+torch.set_num_threads(1)
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # n threads' Gloo sockets
+tree, n, steps = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+found = importlib.util.spec_from_file_location("tree_bench", tree / "scripts" / "bench.py")
+bench = importlib.util.module_from_spec(found)
+found.loader.exec_module(bench)
+from parallelism import Topology
+from tests.workloads import mlp_spec
+times = bench._step_times(mlp_spec(), Topology(1, n), None, steps)
+kept = sorted(t for s, t in times.items() if s >= 5)
+print(json.dumps({"median": statistics.median(kept), "p90": kept[int(0.9 * (len(kept) - 1))]}))
+"""
+
+
+def measure_job(tree: Path, size: int, steps: int) -> dict[str, float]:
+    """Median and 90th percentile step time of a 1 x ``size`` job on ``tree``'s runtime."""
+    tree = tree.resolve()
+    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{tree / 'scripts'}"}
+    done = subprocess.run(
+        [sys.executable, "-c", _JOB, str(tree), str(size), str(steps)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tree,
+        timeout=1800,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{tree} x {size}: {done.stderr[-2000:]}")
+    out: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return out
+
+
 def _commit(tree: Path) -> str:
     done = subprocess.run(
         ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
@@ -167,6 +214,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="8,16,32,64", help="workers, comma-separated")
     p.add_argument("--exchanges", type=int, default=200, help="measured exchanges per run")
     p.add_argument("--warmup", type=int, default=20, help="exchanges before measuring")
+    p.add_argument(
+        "--job-steps",
+        type=int,
+        default=60,
+        help="steps of the 1 x n thread-group job run on each tree (0: skip it)",
+    )
 
 
 def run(args: argparse.Namespace) -> None:
@@ -273,6 +326,45 @@ def run(args: argparse.Namespace) -> None:
             model_rows,
         )
     )
+
+    if args.job_steps > 0:
+        job_rows = []
+        for size in sorted(set(sizes) - {2}):
+            got = {}
+            for name, tree in (("old", args.old), ("new", here)):
+                got[name] = measure_job(tree, size, args.job_steps)
+                print(f"  job {name} x {size}: {got[name]}", file=sys.stderr, flush=True)
+            job_rows.append(
+                [
+                    str(size),
+                    f"{size * (size - 1) // 2:,}",
+                    f"{got['old']['median'] * 1e3:.2f}",
+                    f"{got['old']['p90'] * 1e3:.2f}",
+                    f"{size - 1:,}",
+                    f"{got['new']['median'] * 1e3:.2f}",
+                    f"{got['new']['p90'] * 1e3:.2f}",
+                    f"{got['new']['median'] / got['old']['median']:.2f}",
+                ]
+            )
+        print(
+            f"\nin the runtime: a 1 x n job of a small MLP on the thread WorkerGroup, "
+            f"{args.job_steps} steps, step time from step 5 on (old tree, then new)\n"
+        )
+        print(
+            _table(
+                [
+                    "workers",
+                    "old vote conns",
+                    "old median ms",
+                    "old p90 ms",
+                    "new vote conns",
+                    "new median ms",
+                    "new p90 ms",
+                    "new/old",
+                ],
+                job_rows,
+            )
+        )
 
 
 def _max_degree(size: int) -> int:

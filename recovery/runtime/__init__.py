@@ -1,6 +1,10 @@
 """The runtime: a small controller phase machine over interfaces.
 
 - `controller`: `Controller`, the phase machine (`Phase`, one-transition `advance`).
+- `states`: one class per phase, carrying what it works on (`Running`, `Recovering`, ...).
+- `steps`: `StepRunner`, the failure-free step protocol: `advance() -> Committed | Failed`.
+- `decisions`: when to grow, retry, shrink or give up -- pure functions returning enums.
+- `replacing`: workers for the lost ranks, or an elastic job without them.
 - `membership`: placement, lost nodes, spares, survivors leaving, generations on the store.
 - `elastic`: shrinking past a lost replica and growing back ([Note: elastic shrink]).
 - `detection`: await a step, abort everyone at the first failure, find hangs.
