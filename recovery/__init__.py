@@ -4,7 +4,6 @@ Bottom layer first (tests/test_layers.py holds the order; nothing imports upward
 
 - ``names``, ``errors``, ``events``: the vocabulary, the domain errors, a recovery's record.
 - ``wire``: the JSON header format of whatever travels or is stored besides tensor bytes.
-- ``spec``: `TrainSpec`, what to train (model, loss, optimizer, data).
 - ``strategies/``: the recovery math (CheckFree, CheckFree+, embedding mirrors, PLS).
 - ``rundir``: the run folder (metrics, events, summary, the loss plot).
 - ``reference``: the single-process oracle run, and `differences` against it.
