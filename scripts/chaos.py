@@ -2,7 +2,7 @@
 wall-clock times, and the oracle at the end.
 
     python scripts/chaos.py --kills 5                     # a short run (about a minute)
-    python scripts/chaos.py --kills 100 --burst-prob 0.3  # the soak (see the README)
+    python scripts/chaos.py --kills 100 --burst-prob 0.3  # the soak (see docs/benchmarks.md)
     python scripts/chaos.py --kills 100 --hot-spares 0 --durable-every 0 --model bn-cnn
 
 The job is the public API's: `Trainer(spec, topology=..., policy=...).fit(steps)` of a small

@@ -121,7 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="when no warm spare is ready or there is no room for a replacement, train on "
         "without the lost workers (same global batch) and grow back once replacements are "
-        "ready (see README 'Elastic')",
+        "ready (see docs/elastic.md)",
     )
     g.add_argument(
         "--hang-timeout",
@@ -138,7 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="K",
         help="every K steps compare the replicas' state digests to find silent data "
         f"corruption (no K: {RECOMMENDED_FINGERPRINT_EVERY}, the recommended; 0: off, the "
-        "default; needs 2+ replicas; see README 'Silent data corruption')",
+        "default; needs 2+ replicas; see docs/silent-data-corruption.md)",
     )
     g.add_argument(
         "--approximate",
