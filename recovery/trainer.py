@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from parallelism.checks import check_bool, check_choice, check_int
@@ -13,6 +13,13 @@ from parallelism.comm import default_backend
 from parallelism.devices import BACKENDS, Backend, Device, check_device
 from parallelism.spec import TrainSpec
 from parallelism.topology import Topology
+from recovery.callbacks import (
+    Callback,
+    CallbackList,
+    TensorBoardLogger,
+    require_tensorboard,
+    tensorboard_installed,
+)
 from recovery.events import RecoveryEvent
 from recovery.faults import FailureSchedule
 from recovery.groups.resources import worker_ask
@@ -55,7 +62,8 @@ class Trainer:
             Gloo, staged through pinned host memory: several workers may then share one
             GPU (each asks Ray for a share of one, see recovery/groups/resources.py). See
             parallelism/devices.py.
-        run_dir: a folder for metrics, events, summary and plot (created); None: none.
+        run_dir: a folder for metrics, events, summary, plot and TensorBoard files
+            (created); None: none. See docs/metrics.md.
         progress: show a progress bar.
         eval_every: evaluate held-out loss every this many steps (0: never).
         eval_batches: held-out batches per evaluation.
@@ -68,10 +76,22 @@ class Trainer:
             within ``RecoveryPolicy.timeouts.replace`` ends the job with a
             ``PlacementFailed`` naming it. Placement is unchanged: replicas of a stage
             still go to different nodes.
+        callbacks: objects whose ``on_step(record)``, ``on_event(event)``,
+            ``on_fit_end(result)`` and ``on_fit_error(error)`` (any of them: see
+            `recovery.Callback`) the driver calls, in this order, as the job trains. One
+            that raises is logged, naming it, and training goes on.
+        tensorboard: TensorBoard event files in ``<run_dir>/tensorboard`` (a
+            `TensorBoardLogger`, called before ``callbacks``). None (default): when there
+            is a ``run_dir`` and the tensorboard package is installed (``pip install
+            'checkfree[tensorboard]'``), unless ``callbacks`` holds a `TensorBoardLogger`
+            already; True: always (an error without either); False: never.
 
     Raises:
         ValueError: for a bad argument (a choice not among the allowed values, naming them;
-            a flag that is not a bool); raised here, before anything starts.
+            a flag that is not a bool; a callback with none of the hooks;
+            ``tensorboard=True`` without a ``run_dir``); raised here, before anything
+            starts.
+        ImportError: for ``tensorboard=True`` without the tensorboard package.
     """
 
     def __init__(
@@ -90,6 +110,8 @@ class Trainer:
         threads_per_worker: int = 1,
         collect_states: bool = True,
         worker_resources: Mapping[str, float] | None = None,
+        callbacks: Sequence[Callback] = (),
+        tensorboard: bool | None = None,
     ) -> None:
         if not isinstance(spec, TrainSpec):
             raise ValueError(f"spec must be a TrainSpec, got {type(spec).__name__}")
@@ -107,6 +129,14 @@ class Trainer:
         check_int("threads_per_worker", threads_per_worker, minimum=1)
         check_bool("progress", progress)
         check_bool("collect_states", collect_states)
+        self.callbacks = CallbackList(callbacks)
+        if tensorboard is not None and not isinstance(tensorboard, bool):
+            raise ValueError(f"tensorboard must be None, True or False, got {tensorboard!r}")
+        if tensorboard and run_dir is None:
+            raise ValueError("tensorboard=True writes into the run folder: set run_dir too")
+        if tensorboard:
+            require_tensorboard()
+        self.tensorboard = tensorboard
         resources = worker_ask(worker_resources, chosen, device)
         policy = RecoveryPolicy() if policy is None else policy
         if not isinstance(policy, RecoveryPolicy):
@@ -155,6 +185,9 @@ class Trainer:
     def fit(self, steps: int) -> FitResult:
         """Train for ``steps`` committed steps and return losses, events and final states.
 
+        The callbacks see every step and recovery as it happens, then ``on_fit_end`` with
+        the result (or ``on_fit_error`` with what this raises).
+
         Raises:
             ValueError: for a bad spec/topology combination, before any worker starts.
             RecoveryError: if a failure could not be recovered.
@@ -162,6 +195,30 @@ class Trainer:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be a positive integer, got {steps!r}")
         self.failures.check(self.topology, steps)
+        callbacks = self._job_callbacks()
+        try:
+            result = self._fit(steps, callbacks)
+        except BaseException as exc:
+            callbacks.on_fit_error(exc)
+            raise
+        callbacks.on_fit_end(result)
+        return result
+
+    def _job_callbacks(self) -> CallbackList:
+        """The user's callbacks, after the run folder's TensorBoard logger if it has one."""
+        user = self.callbacks.callbacks
+        wanted = self.tensorboard
+        if wanted is None:
+            wanted = (
+                self.run_dir is not None
+                and tensorboard_installed()
+                and not any(isinstance(c, TensorBoardLogger) for c in user)
+            )
+        if not wanted or self.run_dir is None:
+            return self.callbacks
+        return CallbackList([TensorBoardLogger(self.run_dir.file("tensorboard")), *user])
+
+    def _fit(self, steps: int, callbacks: CallbackList) -> FitResult:
         bar = _ProgressBar(steps, enabled=self.progress)
         run_dir = self.run_dir
 
@@ -169,11 +226,13 @@ class Trainer:
             bar.update(record)
             if run_dir is not None:
                 run_dir.append("metrics.jsonl", record.to_dict())
+            callbacks.on_step(record)
 
         def on_event(event: RecoveryEvent) -> None:
             bar.note(f"recovered step {event.step} ({event.strategy}) in {event.seconds:.2f} s")
             if run_dir is not None:
                 run_dir.append("events.jsonl", event.to_dict())
+            callbacks.on_event(event)
 
         controller = Controller(
             self.spec,
