@@ -75,24 +75,20 @@ class TensorBoardLogger(Callback):
     ``<run_dir>/tensorboard`` by itself (``Trainer(tensorboard=...)``); pass your own in
     ``callbacks`` to write elsewhere.
 
+    Each step and recovery reaches the file as it is written (like ``metrics.jsonl``; a
+    flush costs no more than the points), so TensorBoard shows a run live, and a driver
+    killed half-way leaves its curves for the one that resumes it.
+
     Args:
         log_dir: the folder for the event files (created when the first is written).
-        flush_secs: how often the written points reach the file while training (they all
-            do at the end of the fit, and at each recovery).
 
     Raises:
         ImportError: if the tensorboard package is not installed.
-        ValueError: for a ``flush_secs`` that is not a positive number.
     """
 
-    def __init__(self, log_dir: str | os.PathLike[str], *, flush_secs: float = 10.0) -> None:
+    def __init__(self, log_dir: str | os.PathLike[str]) -> None:
         require_tensorboard()
-        if isinstance(flush_secs, bool) or not isinstance(flush_secs, int | float):
-            raise ValueError(f"flush_secs must be a number of seconds, got {flush_secs!r}")
-        if flush_secs <= 0:
-            raise ValueError(f"flush_secs must be positive, got {flush_secs!r}")
         self.log_dir = Path(log_dir)
-        self.flush_secs = flush_secs
         self._writer: Any = None
         self._last_step: int | None = None
         """The highest step written since the last restart marker (None: none yet)."""
@@ -120,6 +116,7 @@ class TensorBoardLogger(Callback):
         writer.add_scalar("perf/bubble", record.bubble, step)
         for stage, norm in enumerate(record.grad_norms):
             writer.add_scalar(f"grad_norm/stage_{stage}", norm, step)
+        writer.flush()
 
     def on_event(self, event: RecoveryEvent) -> None:
         if self._last_step is None:  # before this driver's first step: after its marker
@@ -151,7 +148,7 @@ class TensorBoardLogger(Callback):
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(str(self.log_dir), flush_secs=self.flush_secs)
+            self._writer = SummaryWriter(str(self.log_dir))
         return self._writer
 
     def _restart(self, step: int) -> None:
