@@ -9,6 +9,8 @@ is a recovery -- runs them all at once and every test of the last part reads wha
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E4
 
 STEPS = 8
 KILLED_AT = 4
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Counting(Callback):
@@ -199,6 +202,22 @@ def test_tensorboard_true_needs_a_run_folder() -> None:
 
 
 # -- TensorBoard, alone ------------------------------------------------------------------
+
+
+def test_tensorboard_is_imported_only_to_write() -> None:
+    """A job, its run folder and its logger set up: tensorboard is still not imported."""
+    code = (
+        "import sys, tempfile\n"
+        "from parallelism import Topology\n"
+        "from recovery import Trainer, TensorBoardLogger\n"
+        "from tests.workloads import mlp_spec\n"
+        "trainer = Trainer(mlp_spec(), topology=Topology(2, 1), run_dir=tempfile.mkdtemp())\n"
+        "logger = trainer._job_callbacks().callbacks[0]\n"
+        "assert isinstance(logger, TensorBoardLogger), logger\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'tensorboard')\n"
+        "assert loaded == [], loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 
 
 def test_a_rollback_and_a_resumed_driver_leave_one_loss_point_per_step(tmp_path: Path) -> None:
