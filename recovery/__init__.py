@@ -17,12 +17,14 @@ Bottom layer first (tests/test_layers.py holds the order; nothing imports upward
 - ``worker/``: `StageWorker` (and `TableWorker`), one stage of one replica.
 - ``groups/``: the worker processes (threads or Ray actors) and the Ray plumbing.
 - ``runtime/``: the controller's phase machine over a worker group.
+- ``callbacks/``: `Callback`, user code called at each step and recovery; TensorBoard files.
 - ``trainer``: `Trainer` / `FitResult`, the public entry point.
 - ``cli/``: the installed programs (``checkfree-train``).
 """
 
 from parallelism.datasets import batches_from_dataset
 from parallelism.spec import TrainSpec
+from recovery.callbacks import Callback, TensorBoardLogger
 from recovery.errors import RecoveryError, RedundancyExhausted
 from recovery.events import RecoveryEvent
 from recovery.faults import BitFlip, Corrupt, FailureSchedule, Hang, Kill, KillNode, KillPoint
@@ -32,6 +34,7 @@ from recovery.trainer import FitResult, Trainer
 
 __all__ = [
     "BitFlip",
+    "Callback",
     "CheckFreeConfig",
     "Corrupt",
     "FailureSchedule",
@@ -47,6 +50,7 @@ __all__ = [
     "RedundancyExhausted",
     "RestartBaseline",
     "SnapshotPolicy",
+    "TensorBoardLogger",
     "Timeouts",
     "TrainSpec",
     "Trainer",

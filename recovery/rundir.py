@@ -3,10 +3,12 @@
 Layout::
 
     <run>/config.json      what was run (topology, spec, policy, failures)
-    <run>/metrics.jsonl    one line per committed step (and per evaluation)
+    <run>/metrics.jsonl    one line per committed step (with its validation loss, if evaluated)
     <run>/events.jsonl     one line per failure and recovery
     <run>/summary.json     totals at the end
     <run>/loss.png         loss vs wall-clock time, failures and recoveries marked
+    <run>/tensorboard/     TensorBoard event files, with the tensorboard extra
+                           (recovery/callbacks/tensorboard.py; docs/metrics.md)
 
 Lines are appended and flushed as they happen, so a run killed half-way still leaves a
 readable record. `plot_loss` draws ``loss.png`` from the metrics and events records.
