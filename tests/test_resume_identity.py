@@ -54,6 +54,26 @@ def test_another_job_in_the_same_folder_is_refused_naming_what_differs(
         _run(mlp_spec(**changed), tmp_path, steps=6)
 
 
+@pytest.mark.parametrize(
+    ("other", "workers"),
+    [(Topology(2, 2), "4 workers"), (Topology(1, 2), "2 workers")],
+    ids=["more workers", "same world size"],
+)
+def test_another_topology_is_named_not_called_corruption(
+    tmp_path: Path, other: Topology, workers: str
+) -> None:
+    """Snapshots of a 2 x 1 job, resumed as another layout: the error names both layouts
+    and says what to do -- not that the snapshots failed their checksums (so move them)."""
+    _run(mlp_spec(), tmp_path)
+    with pytest.raises(ValueError) as info:
+        make(mlp_spec(), other, policy=POLICY, snapshot_dir=str(tmp_path))
+    text = str(info.value)
+    assert "2 stages x 1 replica (2 workers)" in text, text
+    assert f"{other.stages} stage{'s' if other.stages > 1 else ''} x 2 replicas ({workers})" in text
+    assert "checksum" not in text and "move the folder" not in text
+    assert len(list(tmp_path.glob("step_*/COMPLETE.json"))) == 2  # nothing was deleted
+
+
 def test_the_same_job_resumes(tmp_path: Path) -> None:
     """It resumes from the newest snapshot and ends where the job run in one go ends: the
     same losses of the steps it ran, the same final state of every worker, bit for bit."""
