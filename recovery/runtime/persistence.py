@@ -266,11 +266,7 @@ class Persistence:
         if self.policy.snapshots.peer_every and self.topology.world_size > 1:
             hang = self.policy.timeouts.hang
             self._all(
-                StageWorker.take_snapshot,
-                "take the initial peer snapshots",
-                step,
-                True,
-                timeout=hang,
+                StageWorker.take_snapshot, "take the initial peer snapshots", step, timeout=hang
             )
 
     # -- after each commit ---------------------------------------------------------------
@@ -314,8 +310,8 @@ class Persistence:
             self._timed("checkpoint_write", start)
         if self._peer_due(step):
             start = time.perf_counter()
-            digests = bool(self.policy.fingerprint_every)  # see [Note: checked transfers]
-            self._all(StageWorker.take_snapshot, "take peer snapshots", step, digests, timeout=hang)
+            # Each copy records its digests, checked before a restore ([Note: checked transfers]).
+            self._all(StageWorker.take_snapshot, "take peer snapshots", step, timeout=hang)
             self._timed("snapshot_write", start)
         if self._durable_due(step):
             start = time.perf_counter()

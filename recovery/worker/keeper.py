@@ -93,37 +93,57 @@ class SnapshotKeeper:
         comm: StageComm | None,
         buddy: int | None,
         ward: int | None,
-        digests: bool = False,
     ) -> None:
         """Keep a packed copy of ``rank``'s state (at its step); swap copies with buddy and ward.
 
-        The copy is packed now (so the next step cannot leak into it); the swap runs on a
-        background thread over the side group, overlapped with training. ``digests``:
-        record the fingerprint it is taken with (`PackedState.corrupted` checks it).
+        The copy is packed now (so the next step cannot leak into it); its digests (always
+        recorded: `PackedState.corrupted` checks a copy before it is restored, see [Note:
+        checked transfers]) and the swap run on a background thread -- over the side
+        group -- overlapped with training, so that the caller waits for neither the hash
+        nor, on a GPU, the copy to host memory.
         """
         self.join_exchange()
-        packed = pack_state(state, digests=digests)
+        packed = pack_state(state)
         step = packed.step
         self.peer.put(step, rank, packed)
-        if comm is not None and buddy is not None and ward is not None and buddy != rank:
-            with self._lock:
-                self._round += 1
-                round_ = self._round
-            self._exchange = threading.Thread(
-                target=self._swap,
-                args=(comm, step, packed, buddy, ward, round_),
-                name="peer-snapshot",
-                daemon=True,
-            )
-            self._exchange.start()
+        swap = comm is not None and buddy is not None and ward is not None and buddy != rank
+        with self._lock:
+            self._round += 1
+            round_ = self._round
+        self._exchange = threading.Thread(
+            target=self._digest_and_swap,
+            args=(comm if swap else None, step, rank, packed, buddy, ward, round_),
+            name="peer-snapshot",
+            daemon=True,
+        )
+        self._exchange.start()
 
-    def _swap(
-        self, comm: StageComm, step: int, packed: PackedState, buddy: int, ward: int, round_: int
+    def _digest_and_swap(
+        self,
+        comm: StageComm | None,
+        step: int,
+        rank: int,
+        packed: PackedState,
+        buddy: int | None,
+        ward: int | None,
+        round_: int,
     ) -> None:
+        """Record the own copy's digests (in its place), then, given a ``comm``, send it
+        to ``buddy`` and keep ``ward``'s."""
+        try:
+            packed = packed.digested()  # waits for a copy from a GPU, then hashes
+        except Exception as exc:  # the copy stays undigested, so it is never trusted
+            log.warning("peer snapshot of step %d: its digests failed: %s", step, exc)
+            return
+        with self._lock:
+            if round_ != self._round:
+                return  # given up (a rollback may have left this timeline)
+            self.peer.put(step, rank, packed)
+        if comm is None or buddy is None or ward is None:
+            return
         header = torch.frombuffer(bytearray(packed.header()), dtype=torch.uint8)
         sizes = torch.tensor([header.numel(), packed.nbytes], dtype=torch.int64)
         try:
-            packed.wait()  # a copy from a GPU may still be in flight (this thread waits)
             works = comm.side_isend([sizes, header, packed.data], buddy)
             theirs = _checked_sizes(comm.side_recv(torch.empty(2, dtype=torch.int64), ward), ward)
             their_header = comm.side_recv(torch.empty(int(theirs[0]), dtype=torch.uint8), ward)
