@@ -66,7 +66,7 @@ class Snapshotting(WorkerLifecycle):
         """Roll back to this worker's own peer snapshot of ``step``. Returns the step and
         the tensors found corrupted -- or not shown intact (then nothing is restored: see
         `PackedState.corrupted`)."""
-        packed = self.snapshots.peer.get(step, self.rank)
+        packed = self.snapshots.held(step, self.rank)
         bad = packed.corrupted()
         if bad:
             return self.step, {self.rank: list(bad)}
