@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -155,6 +157,29 @@ def test_closures_defaults_and_partials_are_seen_by_value() -> None:
     assert describe(lambda p, lr=0.1: p) != describe(lambda p, lr=0.2: p)
     assert describe(lambda p, *, lr=0.1: p) != describe(lambda p, *, lr=0.2: p)
     assert describe(functools.partial(_with_lr(0.1))) != describe(functools.partial(_with_lr(0.2)))
+
+
+_log = logging.getLogger("tests.identity")
+
+
+def _logs_its_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    loss = ((out - target) ** 2).mean()
+    _log.debug("loss %s", loss)
+    return loss
+
+
+def test_a_logger_a_function_uses_is_not_part_of_the_job() -> None:
+    """Run state a global holds -- a logger's level and handlers, a lock -- is not the job:
+    a re-run with ``-v`` resumes."""
+    before = describe(_logs_its_loss)
+    _log.setLevel(logging.DEBUG)
+    _log.addHandler(logging.NullHandler())
+    try:
+        assert describe(_logs_its_loss) == before
+    finally:
+        _log.setLevel(logging.NOTSET)
+        _log.handlers.clear()
+    assert describe(threading.Lock()) == describe(threading.Lock())
 
 
 def test_recursion_and_cycles_end() -> None:

@@ -9,7 +9,8 @@ fields (``__getstate__`` where they define one), tensors and arrays their shape,
 an XXH3 hash of all their bytes, lists and dicts every item (a long one shows its first
 items and a hash of all of them), an object with a ``fingerprint`` attribute (a
 `TokenCorpus`: a hash of its tokens) that; private attributes are left out (caches,
-locks) unless an object has no public ones. So re-running with another ``--lr``,
+locks) unless an object has no public ones; loggers, open files, locks and threads
+(`_MACHINERY`) are their type and name only. So re-running with another ``--lr``,
 ``--data`` or ``--dim`` -- or a ``lambda p: AdamW(p, lr=LR)`` with another ``LR`` -- is
 refused with a message naming the part that differs, instead of silently resuming or
 failing deep inside a load.
@@ -33,14 +34,19 @@ it in an argument or a ``functools.partial`` that does not change between runs i
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import hashlib
 import inspect
+import io
+import logging
 import os
 import site
+import socket
 import sys
 import sysconfig
+import threading
 import types
 from typing import Any
 
@@ -53,6 +59,24 @@ from recovery.integrity.fingerprint import digest
 
 __all__ = ["describe", "job_identity"]
 
+_MACHINERY: tuple[type, ...] = (
+    logging.Logger,
+    logging.LoggerAdapter,
+    logging.Handler,
+    logging.Manager,
+    io.IOBase,
+    socket.socket,
+    threading.Thread,
+    threading.Event,
+    threading.Condition,
+    threading.Semaphore,
+    type(threading.Lock()),
+    type(threading.RLock()),
+    concurrent.futures.Executor,
+)
+"""Objects that run a job rather than define it: a logger's level (``-v``), its handlers,
+an open file, a lock or a thread differ between runs of the same job, so each is its type
+(and name, if it has one) only."""
 _MAX_DEPTH = 8
 _SHOWN_ITEMS = 16
 """A longer list or dict shows this many items, then a count and a digest of them all."""
@@ -131,6 +155,8 @@ class _Walk:
             return f"{self.describe(obj.__self__, d)}.{self.describe(obj.__func__, d)}"
         if inspect.isroutine(obj):  # a builtin, a method descriptor: code that is not Python
             return _name(obj)
+        if isinstance(obj, _MACHINERY):  # what runs the job, not what it computes
+            return f"{_name(type(obj))}({getattr(obj, 'name', '')!r})"
         fingerprint = getattr(obj, "fingerprint", None)
         if isinstance(fingerprint, str):
             return f"{_name(type(obj))}(fingerprint={fingerprint})"
