@@ -3,33 +3,22 @@
 `job_identity` describes each part of a `TrainSpec` -- the model, the optimizer, the data,
 the held-out data, the schedule, the loss -- as a short text plus a digest of its full
 description, deterministic across processes and machines (no object addresses, no
-``id``, no hash-seeded order). See [Note: describing code] for functions and classes;
-``functools.partial`` is its function and arguments, dataclasses and plain objects their
-fields (``__getstate__`` where they define one), tensors and arrays their shape, dtype and
-an XXH3 hash of all their bytes, lists and dicts every item (a long one shows its first
-items and a hash of all of them), an object with a ``fingerprint`` attribute (a
-`TokenCorpus`: a hash of its tokens) that; private attributes are left out (caches,
-locks) unless an object has no public ones; loggers, open files, locks and threads
-(`_MACHINERY`) are their type and name only. So re-running with another ``--lr``,
-``--data`` or ``--dim`` -- or a ``lambda p: AdamW(p, lr=LR)`` with another ``LR`` -- is
-refused with a message naming the part that differs, instead of silently resuming or
-failing deep inside a load.
-
-[Note: describing code]
+``id``, no hash-seeded order). See [Note: describing code]
 A function is what it runs and what it runs with: its code object (the bytecode, its
 constants -- nested functions' code included -- and the names it uses) and the values it
 reads -- its defaults and keyword defaults, its closure cells, and the module globals its
 code (or a nested function's) names, each described in turn. Line numbers, file names and
-local variable names are left out: moving a function or renaming a local is the same job.
-A class is its name, its bases and the functions it defines. Code from the standard
-library and installed packages (under a ``site-packages`` or the stdlib folder) is its
-qualified name only: its version is the environment's business, and walking torch's code
-would cost seconds. The walk through data stops at `_MAX_DEPTH` levels below each
-piece of code, and at a cycle (a recursive function, a list that holds itself), marking
-the spot, so the same objects always describe the same way. A function's text is ``module.qualname{<the values it reads that are data>}#<a
-digest of the whole description>``: short to read, complete to compare. A global that
-holds state built at run time (a timestamp, a counter) makes every run another job; put
-it in an argument or a ``functools.partial`` that does not change between runs instead.
+local variable names are left out: moving a function or renaming a local is the same job;
+bytecode is the interpreter's own, so another Python minor version is another job. A
+class is its name, its bases and the functions it defines. Code from the standard library
+and installed packages (under a ``site-packages`` or the stdlib folder) is its qualified
+name only: its version is the environment's business, and walking torch's code would cost
+seconds. The walk through data stops at `_MAX_DEPTH` levels below each piece of code, and
+at a cycle (a recursive function, a list that holds itself), marking the spot, so the same
+objects always describe the same way. A function's text is
+``module.qualname{<the values it reads that are data>}#<digest of it all>``: short to
+read, complete to compare. A global that holds state built at run time (a timestamp, a
+counter) makes every run another job: pass such a value as an argument instead.
 """
 
 from __future__ import annotations
