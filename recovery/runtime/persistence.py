@@ -229,7 +229,12 @@ class Persistence:
         so that a re-run with more steps resumes from the end of this one."""
         if self.durable is None:
             return
-        got = self.group.call(StageWorker.flush_snapshots, timeout=self.policy.timeouts.save)
+        timeouts = self.policy.timeouts
+        got = self.group.call(
+            StageWorker.flush_snapshots,
+            args=lambda rank: (timeouts.within("save"),),
+            timeout=timeouts.save,
+        )
         self.note(got.results)
 
     def initial_snapshot(self, step: int) -> None:
@@ -237,13 +242,14 @@ class Persistence:
         are checked: a corruption found before the first scheduled snapshot can then roll
         back to it (see [Note: fingerprint vote] in recovery/integrity/fingerprint_vote.py)."""
         if self.policy.snapshots.peer_every and self.topology.world_size > 1:
-            hang = self.policy.timeouts.hang
+            timeouts = self.policy.timeouts
             self._all(
                 StageWorker.take_snapshot,
                 "take the initial peer snapshots",
                 step,
                 True,
-                timeout=hang,
+                timeouts.within("hang"),
+                timeout=timeouts.hang,
             )
 
     # -- after each commit ---------------------------------------------------------------
@@ -272,8 +278,12 @@ class Persistence:
         )
 
     def after_commit(self, step: int) -> None:
-        """Take the checkpoint and snapshots due now that ``step`` steps are committed."""
-        hang = self.policy.timeouts.hang
+        """Take the checkpoint and snapshots due now that ``step`` steps are committed.
+
+        Each call is waited on for its timeout, and told how long it may wait inside for
+        the worker's own work in flight (`Timeouts.within`): a slow disk holds a durable
+        write up to ``save``, never past it, and is never taken for a hang."""
+        timeouts = self.policy.timeouts
         if self._checkpoint_due(step):
             start = time.perf_counter()
             self._all(
@@ -288,7 +298,14 @@ class Persistence:
         if self._peer_due(step):
             start = time.perf_counter()
             digests = bool(self.policy.fingerprint_every)  # see [Note: checked transfers]
-            self._all(StageWorker.take_snapshot, "take peer snapshots", step, digests, timeout=hang)
+            self._all(
+                StageWorker.take_snapshot,
+                "take peer snapshots",
+                step,
+                digests,
+                timeouts.within("hang"),
+                timeout=timeouts.hang,
+            )
             self._timed("snapshot_write", start)
         if self._durable_due(step):
             start = time.perf_counter()
@@ -297,7 +314,8 @@ class Persistence:
                 "start durable snapshots",
                 self.snapshot_dir,
                 step,
-                timeout=hang,
+                timeouts.within("save"),
+                timeout=timeouts.save,
             )
             self._timed("durable_write", start)
             self.ledger.durable_writes.setdefault(step, set())

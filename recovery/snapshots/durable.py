@@ -297,6 +297,12 @@ class DurableStore(SnapshotFolder):
         self._closed = True
         self._finisher.shutdown(wait=True)
 
+    def abandon(self) -> None:
+        """Stop without waiting: no new write starts, and those in flight finish in the
+        background (their snapshots are never committed by this store's caller)."""
+        self._closed = True
+        self._finisher.shutdown(wait=False)
+
     # -- loading (workers) ----------------------------------------------------------------
 
     def load(self, step: int, rank: int, state: WorkerState) -> Progress:

@@ -9,9 +9,11 @@ the peer store, the checksummed durable store -- are `recovery.snapshots`.
 
 from __future__ import annotations
 
-import contextlib
+import concurrent.futures
 import logging
 import threading
+import time
+from datetime import timedelta
 
 import torch
 
@@ -29,6 +31,11 @@ from recovery.wire import MAX_HEADER_BYTES, MAX_TENSOR_BYTES
 __all__ = ["SnapshotKeeper"]
 
 log = logging.getLogger("checkfree")
+
+_WRITES_AT_CLOSE = timedelta(seconds=2)
+"""How long `SnapshotKeeper.close` waits for durable writes in flight: a worker reset at the
+end of a job is given 5 s after a failure (``RayWorkerGroup.shutdown``); the job's own end
+flushed them already."""
 
 
 class SnapshotKeeper:
@@ -52,13 +59,21 @@ class SnapshotKeeper:
         """Drop every peer copy (a worker set up afresh holds none)."""
         self.peer = PeerSnapshots(keep=2)
 
-    def close(self) -> None:
-        """Drop everything: the durable store, its writes in flight, every peer copy."""
-        if self._durable is not None:
-            self._durable.close()
-            self._durable = None
-        self._writes = {}
+    def close(self, wait: timedelta = _WRITES_AT_CLOSE) -> None:
+        """Drop everything: the durable store, its writes in flight (waited for at most
+        ``wait``, then left to finish in the background), every peer copy."""
+        self._drop_store(wait)
         self.peer = PeerSnapshots(keep=2)
+
+    def _drop_store(self, wait: timedelta) -> None:
+        store, self._durable, self._writes = self._durable, None, {}
+        if store is None:
+            return
+        try:
+            store.close(wait)
+        except TimeoutError as exc:
+            log.warning("%s: left to finish in the background", exc)
+            store.abandon()
 
     def holdings(self) -> dict[int, list[int]]:
         """The peer copies held: rank -> steps."""
@@ -76,13 +91,20 @@ class SnapshotKeeper:
                 log.warning("durable snapshot of step %d failed on rank %d: %s", s, rank, exc)
         return done
 
-    def flush(self) -> None:
-        """Wait for the durable writes in flight and for the peer exchange."""
-        if self._durable is not None:
-            for handle in list(self._writes.values()):
-                with contextlib.suppress(Exception):
-                    self._durable.wait(handle)
-        self.join_exchange()
+    def flush(self, wait: timedelta) -> None:
+        """Wait for the durable writes in flight and for the peer exchange, at most ``wait``
+        in all. A write still running then is reported when it finishes, by a later
+        `finished_writes`; an exchange still running is given up (`join_exchange`)."""
+        deadline = time.monotonic() + wait.total_seconds()
+        futures = [h.future for h in self._writes.values()]
+        _, running = concurrent.futures.wait(futures, timeout=wait.total_seconds())
+        if running:
+            log.warning(
+                "%d durable write(s) still running after %s; not waiting longer",
+                len(running),
+                wait,
+            )
+        self.join_exchange(max(0.0, deadline - time.monotonic()))
 
     # -- peer memory ---------------------------------------------------------------------
 
@@ -94,14 +116,17 @@ class SnapshotKeeper:
         buddy: int | None,
         ward: int | None,
         digests: bool = False,
+        *,
+        wait: timedelta,
     ) -> None:
         """Keep a packed copy of ``rank``'s state (at its step); swap copies with buddy and ward.
 
         The copy is packed now (so the next step cannot leak into it); the swap runs on a
         background thread over the side group, overlapped with training. ``digests``:
         record the fingerprint it is taken with (`PackedState.corrupted` checks it).
+        ``wait``: how long the previous exchange may still take (then it is given up).
         """
-        self.join_exchange()
+        self.join_exchange(wait.total_seconds())
         packed = pack_state(state, digests=digests)
         step = packed.step
         self.peer.put(step, rank, packed)
@@ -168,25 +193,38 @@ class SnapshotKeeper:
 
     # -- the durable tier ----------------------------------------------------------------
 
-    def write_durable(self, root: str, rank: int, state: WorkerState) -> None:
+    def write_durable(self, root: str, rank: int, state: WorkerState, wait: timedelta) -> None:
         """Start writing ``rank``'s state (at its step) under ``root`` (asynchronously); its
-        completion shows in a later `finished_writes`."""
-        if self._durable is None or str(self._durable.root) != str(root):
-            self._durable = DurableStore(root)
-        self._writes[state.step] = self._durable.write(rank, state)
+        completion shows in a later `finished_writes`. ``wait``: how long this rank's
+        previous write may still take; if it is still running then, this snapshot is
+        skipped (logged): that step never completes, and training goes on."""
+        self._store(root, wait)
+        assert self._durable is not None
+        try:
+            self._writes[state.step] = self._durable.write(rank, state, timeout=wait)
+        except TimeoutError as exc:
+            log.warning("durable snapshot of step %d skipped on rank %d: %s", state.step, rank, exc)
 
     def load_durable(self, root: str, step: int, rank: int, state: WorkerState) -> Progress:
         """Load ``rank``'s durable snapshot of ``step`` from ``root`` into ``state``,
-        forgetting the writes in flight. Returns the progress it holds.
+        forgetting the writes in flight: they are of the timeline left behind, and are not
+        waited for (the store's next write of this rank waits for them). Returns the
+        progress it holds.
 
         Raises:
             SnapshotCorrupted: if its files do not match their checksums (nothing loaded).
         """
-        if self._durable is not None:
-            self._durable.close()
+        self._store(root, timedelta(0))
+        assert self._durable is not None
         self._writes = {}
-        self._durable = DurableStore(root)
         return self._durable.load(step, rank, state)
+
+    def _store(self, root: str, wait: timedelta) -> None:
+        """The durable store of ``root`` (another folder's is dropped, its writes in flight
+        waited for at most ``wait``)."""
+        if self._durable is None or str(self._durable.root) != str(root):
+            self._drop_store(wait)
+            self._durable = DurableStore(root)
 
 
 def _checked_sizes(sizes: torch.Tensor, src: int) -> torch.Tensor:

@@ -10,9 +10,11 @@ described in `recovery.snapshots`, the ``restart`` baseline's checkpoints in
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from pathlib import Path
 
 from parallelism.engine import StepStats
+from recovery.policy import Timeouts
 from recovery.snapshots import unpack_state
 from recovery.snapshots.checkpoint import load_checkpoint, save_checkpoint
 from recovery.state import Progress
@@ -20,6 +22,10 @@ from recovery.worker.lifecycle import WorkerLifecycle
 from recovery.worker.reports import StepReport
 
 __all__ = ["Snapshotting"]
+
+_SAVE_WAIT = Timeouts().within("save")
+_HANG_WAIT = Timeouts().within("hang")
+"""The waits of a caller that passes none: the default policy's (`Timeouts.within`)."""
 
 
 class Snapshotting(WorkerLifecycle):
@@ -42,20 +48,25 @@ class Snapshotting(WorkerLifecycle):
             durable_done=done,
         )
 
-    def flush_snapshots(self) -> StepReport:
-        """Wait for durable writes in flight; report what is held (at the end of a job)."""
-        self.snapshots.flush()
+    def flush_snapshots(self, wait: timedelta = _SAVE_WAIT) -> StepReport:
+        """Wait for durable writes and the peer exchange in flight, at most ``wait``
+        (`Timeouts.within` the controller's wait on this call); report what is held."""
+        self.snapshots.flush(wait)
         return self._report(self.step, StepStats())
 
     # -- peer memory ---------------------------------------------------------------------
 
-    def take_snapshot(self, step: int, digests: bool = False) -> float:
+    def take_snapshot(
+        self, step: int, digests: bool = False, wait: timedelta = _HANG_WAIT
+    ) -> float:
         """Keep a packed copy of this worker's state at ``step`` and send one to the buddy.
 
         The copy is taken now (so the next step cannot leak into it); the exchange with
         buddy and ward runs on a background thread over the side group, overlapped with
         training. ``digests``: the copy records the fingerprint it was taken with, checked
-        before it is restored. Returns the seconds the caller was blocked.
+        before it is restored. ``wait``: how long the previous exchange may still take
+        (`Timeouts.within` the controller's wait on this call). Returns the seconds the
+        caller was blocked.
         """
         start = time.perf_counter()
         assert step == self.step, (step, self.step)
@@ -66,6 +77,7 @@ class Snapshotting(WorkerLifecycle):
             self.buddy,
             self.ward,
             digests=digests,
+            wait=wait,
         )
         return time.perf_counter() - start
 
@@ -107,14 +119,17 @@ class Snapshotting(WorkerLifecycle):
         except OSError:
             return False
 
-    def durable_write(self, root: str, step: int) -> float:
+    def durable_write(self, root: str, step: int, wait: timedelta = _SAVE_WAIT) -> float:
         """Start writing this worker's state at ``step`` to the durable tier (asynchronously).
 
-        Its completion shows in a later report's ``durable_done``. Returns seconds blocked.
+        Its completion shows in a later report's ``durable_done``. ``wait``: how long this
+        worker's previous write may still take (`Timeouts.within` the controller's wait on
+        this call); if it is still running then, this snapshot is skipped. Returns seconds
+        blocked.
         """
         start = time.perf_counter()
         assert step == self.step, (step, self.step)
-        self.snapshots.write_durable(root, self.rank, self.own_state())
+        self.snapshots.write_durable(root, self.rank, self.own_state(), wait)
         return time.perf_counter() - start
 
     def durable_load(self, root: str, step: int) -> int:
