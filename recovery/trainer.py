@@ -54,6 +54,9 @@ class FitResult:
     mirrors: dict[str, float] = field(default_factory=dict)
     """Embedding tables: what the shard mirrors cost per worker (bytes): the mirror's
     memory, the shard's own size, and the update traffic per step."""
+    skipped_snapshots: list[dict[str, Any]] = field(default_factory=list)
+    """Durable snapshots that could not be written or committed and were skipped (the job
+    trained on): ``{"step", "error", "in_a_row", "at"}`` each, in order."""
 
     @property
     def val_losses(self) -> list[tuple[int, float]]:
@@ -297,6 +300,7 @@ class Trainer:
             timings=dict(controller.persistence.timings),
             states=states,
             mirrors=mirrors,
+            skipped_snapshots=[s.to_dict() for s in controller.persistence.skipped],
         )
         if run_dir is not None:
             run_dir.write_json("summary.json", self._summary(result))
@@ -423,6 +427,7 @@ class Trainer:
             "recoveries": len(result.events),
             "recovery_seconds": sum(e.seconds for e in result.events),
             "lost_steps": sum(e.lost_steps for e in result.events),
+            "skipped_snapshots": len(result.skipped_snapshots),
         }
 
 

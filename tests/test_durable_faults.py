@@ -11,14 +11,26 @@ holds the lock of.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
 
 from parallelism import Topology
-from recovery import RecoveryPolicy, SnapshotPolicy, Timeouts, Trainer
+from recovery import (
+    FailureSchedule,
+    FitResult,
+    Kill,
+    KillPoint,
+    RecoveryPolicy,
+    SnapshotPolicy,
+    Timeouts,
+    Trainer,
+)
 from recovery.snapshots import COMPLETE, SnapshotFolder
 from recovery.snapshots.checkpoint import step_path
+from tests.jobs import make
+from tests.test_recovery import assert_identical
 from tests.workloads import SLOW_WRITES, mlp_spec, slow_disk_stage
 
 TOP = Topology(2, 2)
@@ -64,3 +76,65 @@ def test_a_slow_durable_write_does_not_get_a_healthy_worker_killed(tmp_path: Pat
     assert result.events == []
     assert SnapshotFolder(snapshots).steps() == [6, 4, 2]
     assert SnapshotFolder(snapshots).verify(2, 2) == []
+
+
+# -- 2. a snapshot that cannot be written ---------------------------------------------------
+
+
+def test_snapshots_that_cannot_be_written_are_skipped_and_the_job_trains_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Three snapshots in a row fail -- step 2's writes on every worker (its folder is a
+    file), the commits of steps 4 and 6 (COMPLETE.json is a directory) -- and each is
+    skipped with a warning and a record; the run of them is reported; the job trains on,
+    step 8's snapshot completes, and no temporary file is left."""
+    for step, what in ((2, "writes"), (4, "commit"), (6, "commit")):
+        _unwritable(tmp_path, step, what)
+    policy = RecoveryPolicy(snapshots=SnapshotPolicy(peer_every=None, durable_every=2))
+    controller, _ = make(mlp_spec(), TOP, policy=policy, snapshot_dir=str(tmp_path), steps=8)
+    try:
+        with caplog.at_level(logging.WARNING, logger="checkfree"):
+            controller.run(8)  # as Trainer.fit: the writes in flight land at the end
+    finally:
+        controller.shutdown()
+    skipped = controller.persistence.skipped
+    assert [(s.step, s.in_a_row) for s in skipped] == [(2, 1), (4, 2), (6, 3)], skipped
+    assert "is a directory" in skipped[1].error.lower() and "rank" in skipped[0].error
+    assert SnapshotFolder(tmp_path).steps() == [8]
+    assert controller.ledger.durable_steps == [8]
+    assert _temp_files(tmp_path) == []
+    warned = [r.getMessage() for r in caplog.records if "step 6" in r.getMessage()]
+    assert any("3 durable snapshots in a row" in m for m in warned), warned
+
+
+@pytest.mark.ray
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.timeout(300)
+def test_a_failed_commit_on_ray_leaves_the_last_complete_snapshot_the_rollback_point(
+    tmp_path: Path,
+) -> None:
+    """On Ray: the commits of steps 4 and 6 fail (EISDIR on COMPLETE.json); the job trains
+    on; when a whole stage dies at step 7 it rolls back to step 2, the last complete
+    snapshot, and ends bit-identical to a run that never failed."""
+    snapshots = tmp_path / "snapshots"
+    for step in (4, 6):
+        _unwritable(snapshots, step, "commit")
+    spec = mlp_spec()
+    clean = Trainer(spec, topology=TOP).fit(9)
+    policy = RecoveryPolicy(
+        snapshots=SnapshotPolicy(peer_every=None, durable_every=2, dir=snapshots)
+    )
+    dies = [
+        Kill(step=7, stage=1, replica=0),
+        Kill(step=7, stage=1, replica=1, at=KillPoint.MID_PIPELINE),
+    ]
+    result: FitResult = Trainer(
+        spec, topology=TOP, policy=policy, failures=FailureSchedule(dies), run_dir=tmp_path / "run"
+    ).fit(9)
+    assert_identical(result, clean)
+    (event,) = result.events
+    assert event.tier == "durable" and event.lost_steps == 7 - 2, event
+    assert 4 in [s["step"] for s in result.skipped_snapshots]
+    assert _temp_files(snapshots) == []
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["skipped_snapshots"] == len(result.skipped_snapshots)

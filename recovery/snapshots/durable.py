@@ -185,7 +185,7 @@ class DurableStore(SnapshotFolder):
                     f"durable write of step {previous.step}, rank {rank} still running after "
                     f"{timeout}; not starting the write of step {step}"
                 )
-        if (step_path(self.root, step) / COMPLETE).exists():
+        if (step_path(self.root, step) / COMPLETE).is_file():
             raise FileExistsError(
                 f"durable snapshot of step {step} in {self.root} is already complete; after a "
                 "rollback, discard_after(rollback step) must drop the abandoned timeline"

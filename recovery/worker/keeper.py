@@ -50,6 +50,8 @@ class SnapshotKeeper:
         self.peer = PeerSnapshots(keep=2)
         self._durable: DurableStore | None = None
         self._writes: dict[int, WriteHandle] = {}
+        self._failed: dict[int, str] = {}
+        """Durable snapshot step -> why this worker's write of it failed (not yet reported)."""
         self._exchange: threading.Thread | None = None
         self._lock = threading.Lock()
         self._round = 0
@@ -66,7 +68,7 @@ class SnapshotKeeper:
         self.peer = PeerSnapshots(keep=2)
 
     def _drop_store(self, wait: timedelta) -> None:
-        store, self._durable, self._writes = self._durable, None, {}
+        store, self._durable, self._writes, self._failed = self._durable, None, {}, {}
         if store is None:
             return
         try:
@@ -79,17 +81,30 @@ class SnapshotKeeper:
         """The peer copies held: rank -> steps."""
         return {rank: sorted(steps) for rank, steps in self.peer.holdings().items()}
 
-    def finished_writes(self, rank: int) -> list[int]:
-        """The steps whose durable write finished since the last call. A write that failed
-        is logged and forgotten: that snapshot never completes, and training goes on."""
+    def finished_writes(self, rank: int) -> tuple[list[int], dict[int, str]]:
+        """The steps whose durable write finished since the last call, and those whose
+        write failed (step -> why). A failed write is logged: that snapshot is skipped, and
+        training goes on."""
         done = []
         for s in sorted(s for s, h in self._writes.items() if h.done()):
             try:
                 self._writes.pop(s).result()
                 done.append(s)
             except Exception as exc:
-                log.warning("durable snapshot of step %d failed on rank %d: %s", s, rank, exc)
-        return done
+                self._fail(s, rank, exc)
+        failed, self._failed = self._failed, {}
+        return done, failed
+
+    def _fail(self, step: int, rank: int, exc: BaseException) -> None:
+        log.warning("durable snapshot of step %d skipped on rank %d: %s", step, rank, exc)
+        self._failed[step] = f"rank {rank}: {type(exc).__name__}: {exc}"
+
+    def forget_writes_after(self, step: int) -> None:
+        """After a rollback to ``step``: the durable writes of later steps belong to the
+        timeline left behind. They are never reported (they land, or fail, unseen); a step
+        run again is written again."""
+        self._writes = {s: h for s, h in self._writes.items() if s <= step}
+        self._failed = {s: why for s, why in self._failed.items() if s <= step}
 
     def flush(self, wait: timedelta) -> None:
         """Wait for the durable writes in flight and for the peer exchange, at most ``wait``
@@ -196,14 +211,15 @@ class SnapshotKeeper:
     def write_durable(self, root: str, rank: int, state: WorkerState, wait: timedelta) -> None:
         """Start writing ``rank``'s state (at its step) under ``root`` (asynchronously); its
         completion shows in a later `finished_writes`. ``wait``: how long this rank's
-        previous write may still take; if it is still running then, this snapshot is
-        skipped (logged): that step never completes, and training goes on."""
-        self._store(root, wait)
-        assert self._durable is not None
+        previous write may still take. If it is still running then, or the write cannot
+        start (the folder is gone, read-only, full...), this snapshot is skipped: logged,
+        reported by the next `finished_writes`, and training goes on."""
         try:
+            self._store(root, wait)
+            assert self._durable is not None
             self._writes[state.step] = self._durable.write(rank, state, timeout=wait)
-        except TimeoutError as exc:
-            log.warning("durable snapshot of step %d skipped on rank %d: %s", state.step, rank, exc)
+        except OSError as exc:  # TimeoutError and FileExistsError included
+            self._fail(state.step, rank, exc)
 
     def load_durable(self, root: str, step: int, rank: int, state: WorkerState) -> Progress:
         """Load ``rank``'s durable snapshot of ``step`` from ``root`` into ``state``,

@@ -37,8 +37,9 @@ class Snapshotting(WorkerLifecycle):
 
     def _report(self, step: int, stats: StepStats) -> StepReport:
         """A ready report for ``step``: its measurements and the redundancy this worker
-        holds (its peer copies, and the durable writes that finished since the last one)."""
-        done = self.snapshots.finished_writes(self.rank)
+        holds (its peer copies, and the durable writes that finished -- or failed -- since
+        the last one)."""
+        done, failed = self.snapshots.finished_writes(self.rank)
         return StepReport(
             rank=self.rank,
             step=step,
@@ -46,6 +47,7 @@ class Snapshotting(WorkerLifecycle):
             stats=stats,
             snapshots=self.snapshots.holdings(),
             durable_done=done,
+            durable_failed=failed,
         )
 
     def flush_snapshots(self, wait: timedelta = _SAVE_WAIT) -> StepReport:
@@ -143,11 +145,12 @@ class Snapshotting(WorkerLifecycle):
 
     def _rolled_back(self, progress: Progress) -> None:
         """After restoring a snapshot's module and optimizer state: take its progress (a
-        rebuild's mark with it, or none) and forget every newer snapshot (another
-        timeline)."""
+        rebuild's mark with it, or none) and forget every newer snapshot and durable write
+        (another timeline)."""
         self.progress = progress
         self.digests_ahead = None
         self.snapshots.peer.discard_after(progress.step)
+        self.snapshots.forget_writes_after(progress.step)
 
     # -- restart checkpoints (the baseline) ----------------------------------------------
 
