@@ -25,7 +25,7 @@ from recovery.groups.resources import worker_ask
 from recovery.integrity.fingerprint import digest
 from recovery.names import FailureCause, Strategy, Tier
 from recovery.policy import RecoveryPolicy
-from recovery.rundir import RunDir, plot_loss
+from recovery.rundir import FolderLock, RunDir, plot_loss
 from recovery.runtime import Controller, ControllerConfig, StepRecord
 from recovery.worker import WorkerInfo
 
@@ -244,11 +244,19 @@ class Trainer:
 
         Raises:
             ValueError: for a bad spec/topology combination, before any worker starts.
+            FolderInUse: if another job holds the run folder or the snapshot folder
+                (`recovery.rundir.FolderLock`), before any worker starts.
             RecoveryError: if a failure could not be recovered.
         """
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be a positive integer, got {steps!r}")
         self.failures.check(self.topology, steps)
+        if self.run_dir is None:
+            return self._fit(steps)
+        with FolderLock(self.run_dir.path, "run folder"):  # for the job's life
+            return self._fit(steps)
+
+    def _fit(self, steps: int) -> FitResult:
         bar = _ProgressBar(steps, enabled=self.progress)
         run_dir = self.run_dir
 

@@ -12,6 +12,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -31,7 +38,7 @@ from recovery.snapshots import COMPLETE, SnapshotFolder
 from recovery.snapshots.checkpoint import step_path
 from tests.jobs import make
 from tests.test_recovery import assert_identical
-from tests.workloads import SLOW_WRITES, mlp_spec, slow_disk_stage
+from tests.workloads import SLOW_WRITES, mlp_spec, paced_stage, slow_disk_stage
 
 TOP = Topology(2, 2)
 
@@ -138,3 +145,115 @@ def test_a_failed_commit_on_ray_leaves_the_last_complete_snapshot_the_rollback_p
     assert _temp_files(snapshots) == []
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["skipped_snapshots"] == len(result.skipped_snapshots)
+
+
+# -- 3. a folder another job holds ----------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _holder(folder: Path) -> subprocess.Popen[bytes]:
+    """Another job, in another process, training with durable snapshots in ``folder``."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.folder_job", str(folder)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def _wait_for(path: Path, job: subprocess.Popen[bytes], timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if job.poll() is not None:
+            err = job.stderr.read().decode()[-3000:] if job.stderr else ""
+            raise AssertionError(f"the holding job ended: {err}")
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(300)
+def test_a_folder_held_by_a_job_is_refused_until_its_holder_is_killed(tmp_path: Path) -> None:
+    """A job trains with durable snapshots in a folder; a second job given that folder is
+    refused at its start, before any worker of its own starts, naming the folder and the
+    holder (its pid and host); once the holder is killed (SIGKILL: the kernel drops its
+    lock with it), a new job takes the folder and resumes from the holder's snapshots."""
+    folder = tmp_path / "snapshots"
+    holder = _holder(folder)
+    try:
+        _wait_for(step_path(folder, 1) / COMPLETE, holder)
+        spec = mlp_spec(build_stage=paced_stage)
+        with pytest.raises(RuntimeError, match="in use by another job") as refused:
+            make(spec, Topology(2, 1), policy=_EVERY_STEP, snapshot_dir=str(folder))
+        text = str(refused.value)
+        assert str(folder) in text and f"pid {holder.pid}" in text and socket.gethostname() in text
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+    assert holder.returncode == -signal.SIGKILL
+    controller, _ = make(spec, Topology(2, 1), policy=_EVERY_STEP, snapshot_dir=str(folder))
+    try:
+        assert controller.resumed_from is not None and controller.resumed_from >= 1
+        controller.run(controller.step + 2)
+    finally:
+        controller.shutdown()
+
+
+_EVERY_STEP = RecoveryPolicy(snapshots=SnapshotPolicy(peer_every=None, durable_every=1))
+
+
+@pytest.mark.ray
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.timeout(300)
+def test_two_jobs_on_ray_never_share_a_run_or_snapshot_folder(tmp_path: Path) -> None:
+    """Job A trains on Ray (its durable writes slow, so that it lives a while). Job B,
+    given A's snapshot folder with a run folder of its own, and then A's run folder, is
+    refused at once, naming the folder and A's process; A ends untouched, every snapshot it
+    committed intact; then B takes the folders and resumes from A's last snapshot."""
+    snapshots, run_a, run_b = tmp_path / "snapshots", tmp_path / "a", tmp_path / "b"
+    _slow(snapshots, 3.0, [2, 4])
+    policy = RecoveryPolicy(
+        snapshots=SnapshotPolicy(peer_every=None, durable_every=2, keep_durable=5, dir=snapshots)
+    )
+    spec = mlp_spec(build_stage=slow_disk_stage)
+
+    def trainer(run: Path) -> Trainer:
+        return Trainer(spec, topology=Topology(2, 1), policy=policy, run_dir=run)
+
+    results: list[FitResult | BaseException] = []
+
+    def job_a() -> None:
+        try:
+            results.append(trainer(run_a).fit(4))
+        except BaseException as exc:
+            results.append(exc)
+
+    a = threading.Thread(target=job_a)
+    a.start()
+    try:
+        _wait_for_file(run_a / "metrics.jsonl", a)
+        for run, folder in ((run_b, snapshots), (run_a, run_a)):
+            with pytest.raises(RuntimeError, match="in use by another job") as refused:
+                trainer(run).fit(6)
+            text = str(refused.value)
+            assert str(folder) in text and f"pid {os.getpid()}" in text, text
+    finally:
+        a.join(timeout=200)
+    (first,) = results
+    assert isinstance(first, FitResult), first
+    assert first.events == [] and SnapshotFolder(snapshots).steps() == [4, 2]
+    assert SnapshotFolder(snapshots).verify(4, 2) == []
+    assert not run_b.exists()  # a refused job leaves no folder behind
+    (snapshots / SLOW_WRITES).unlink()
+    second = trainer(run_b).fit(6)
+    assert [e.cause for e in second.events] == ["driver restarted"]
+    assert "step 4" in second.events[0].detail
+
+
+def _wait_for_file(path: Path, job: threading.Thread, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert job.is_alive(), "job A ended before job B could try its folders"
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.05)

@@ -247,3 +247,14 @@ def slow_disk_stage(stage: int, num_stages: int) -> nn.Module:
         _finish.slow_disk = True  # type: ignore[attr-defined]
         DurableStore._finish = _finish  # type: ignore[method-assign]
     return mlp_stage(stage, num_stages)
+
+
+def paced_stage(stage: int, num_stages: int) -> nn.Module:
+    """`mlp_stage` whose every forward takes 20 ms longer: a job that trains for a while."""
+
+    class Paced(nn.Sequential):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.02)
+            return super().forward(x)
+
+    return Paced(nn.Linear(16, 16), nn.Tanh())

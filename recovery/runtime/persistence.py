@@ -23,13 +23,14 @@ from recovery.errors import RecoveryError, SnapshotCorrupted
 from recovery.groups.group import WorkerGroup, WorkerMethod, require
 from recovery.names import Mode
 from recovery.policy import RecoveryPolicy
+from recovery.rundir import FolderLock
 from recovery.runtime.executor import Restore
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.snapshots import DurableStore
 from recovery.snapshots.identity import job_identity
 from recovery.worker import StageWorker, StepReport
 
-__all__ = ["Persistence", "SkippedSnapshot"]
+__all__ = ["Persistence", "SkippedSnapshot", "claim_snapshot_folder"]
 
 log = logging.getLogger("checkfree")
 
@@ -51,6 +52,23 @@ class SkippedSnapshot:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def claim_snapshot_folder(policy: RecoveryPolicy, snapshot_dir: str | None) -> FolderLock | None:
+    """Lock the durable snapshot folder for this job's life, if the policy takes durable
+    snapshots (call it before any worker starts; `FolderLock.release` at the end).
+
+    Raises:
+        ValueError: if the policy takes durable snapshots and there is no folder.
+        FolderInUse: if another job holds the folder, naming it.
+    """
+    if policy.snapshots.durable_every is None:
+        return None
+    if not snapshot_dir:
+        raise ValueError(
+            "snapshots.durable_every needs a snapshot folder: set snapshots.dir or a run folder"
+        )
+    return FolderLock(snapshot_dir, "snapshot folder").acquire()
 
 
 class Persistence:
