@@ -155,7 +155,9 @@ class ControllerConfig:
     snapshot_dir: str | None = None
     """Where durable snapshots go (required when the policy sets ``snapshots.durable_every``)."""
     resume: bool = True
-    """Resume from the newest intact durable snapshot in ``snapshot_dir``, if one exists."""
+    """Resume from the newest intact durable snapshot in ``snapshot_dir``, if one exists.
+    False: start afresh; a ``snapshot_dir`` holding complete snapshots is then refused at
+    the start (`claim_snapshot_folder`)."""
     worker_options: dict[str, Any] = field(default_factory=dict)
     """Extra Ray actor options for every worker (`RayWorkerGroup` only)."""
     worker_resources: dict[str, float] | None = None
@@ -307,7 +309,9 @@ class Controller:
         self.tokens_per_step = self.spec.check(self.topology)
         self.layout = layout_for(self.spec, self.topology, self.policy, self.tokens_per_step)
         self.layout.validate(self.config.backend, self.config.device)
-        self._folder_lock = claim_snapshot_folder(self.policy, self.config.snapshot_dir)
+        self._folder_lock = claim_snapshot_folder(
+            self.policy, self.config.snapshot_dir, resume=self.config.resume
+        )
         self.group = group = self.group or _ray_group(self.layout, self.config)
         group.check_capacity(self.topology.world_size + self.policy.hot_spares)
         self.members = members = Membership(

@@ -26,7 +26,7 @@ from recovery.policy import RecoveryPolicy
 from recovery.rundir import FolderLock
 from recovery.runtime.executor import Restore
 from recovery.runtime.ledger import RedundancyLedger
-from recovery.snapshots import DurableStore
+from recovery.snapshots import DurableStore, SnapshotFolder
 from recovery.snapshots.identity import job_identity
 from recovery.worker import StageWorker, StepReport
 
@@ -54,12 +54,18 @@ class SkippedSnapshot:
         return dataclasses.asdict(self)
 
 
-def claim_snapshot_folder(policy: RecoveryPolicy, snapshot_dir: str | None) -> FolderLock | None:
+def claim_snapshot_folder(
+    policy: RecoveryPolicy, snapshot_dir: str | None, *, resume: bool
+) -> FolderLock | None:
     """Lock the durable snapshot folder for this job's life, if the policy takes durable
-    snapshots (call it before any worker starts; `FolderLock.release` at the end).
+    snapshots (call it before any worker starts; `FolderLock.release` at the end). A job
+    that starts afresh (not ``resume``) is refused a folder that holds complete snapshots:
+    its own would land on them (`DurableStore.write` refuses a complete step).
 
     Raises:
-        ValueError: if the policy takes durable snapshots and there is no folder.
+        ValueError: if the policy takes durable snapshots and there is no folder, or a job
+            that starts afresh is given one with complete snapshots (naming the folder and
+            how to go on).
         FolderInUse: if another job holds the folder, naming it.
     """
     if policy.snapshots.durable_every is None:
@@ -68,7 +74,18 @@ def claim_snapshot_folder(policy: RecoveryPolicy, snapshot_dir: str | None) -> F
         raise ValueError(
             "snapshots.durable_every needs a snapshot folder: set snapshots.dir or a run folder"
         )
-    return FolderLock(snapshot_dir, "snapshot folder").acquire()
+    lock = FolderLock(snapshot_dir, "snapshot folder").acquire()
+    steps = [] if resume else SnapshotFolder(snapshot_dir).steps()
+    if steps:
+        lock.release()
+        shown = ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else "")
+        raise ValueError(
+            f"the snapshot folder {snapshot_dir} holds durable snapshots (steps {shown}), and "
+            "this job starts afresh (resume=False): its snapshots would land on them. To start "
+            "from scratch, move the folder away (or give this job another one); to go on "
+            "from them, resume (resume=True)"
+        )
+    return lock
 
 
 class Persistence:
