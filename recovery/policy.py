@@ -44,6 +44,7 @@ __all__ = [
     "STRATEGY_NAMES",
     "Approximation",
     "MirrorPolicy",
+    "NestedWait",
     "RecoveryPolicy",
     "RestartBaseline",
     "SnapshotPolicy",
@@ -152,6 +153,10 @@ class RestartBaseline:
         check_positive_int(_name(RestartBaseline, "checkpoint_every"), self.checkpoint_every)
 
 
+Guarding = Literal["hang", "save", "control"]
+"""The timeouts the controller waits on a worker call with that `Timeouts.within` splits."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Timeouts:
     """Every wait the runtime makes, by what it waits for (a `timedelta`, or seconds as a
@@ -219,6 +224,50 @@ class Timeouts:
             return self.collective
         return 2 * max(self.hang, self.transfer)
 
+    def within(self, outer: Guarding) -> timedelta:
+        """How long a worker may wait for work of its own still in flight (its durable
+        writes, the peer exchange) inside a call the controller waits on for ``outer``:
+        half of it. The other half is the call's own work (staging the next snapshot), so
+        a worker kept waiting by a slow disk answers before the controller takes it for
+        lost (docs/timeouts.md)."""
+        return getattr(self, outer) / 2
+
+    def nested(self) -> list[NestedWait]:
+        """Every wait that runs inside another, with the one that guards it: the
+        controller's clocks inside the backend's, each worker call's own waits inside the
+        controller's wait on that call. Each inner one is the shorter (docs/timeouts.md)."""
+        backend = self.backend_timeout
+        return [
+            NestedWait("hang", self.hang, "collective", backend),
+            NestedWait("transfer", self.transfer, "collective", backend),
+            NestedWait("replace", self.replace, "start", self.start),
+            *(
+                NestedWait(f"{call}: {what}", self.within(outer), outer, getattr(self, outer))
+                for call, what, outer in _WORKER_WAITS
+            ),
+        ]
+
+
+@dataclass(frozen=True)
+class NestedWait:
+    """A wait that runs inside another (`Timeouts.nested`)."""
+
+    inner: str
+    """What waits: a timeout's name, or ``"<worker call>: <what it waits for>"``."""
+    inner_s: timedelta
+    outer: str
+    """The timeout that guards it."""
+    outer_s: timedelta
+
+
+_WORKER_WAITS: tuple[tuple[str, str, Guarding], ...] = (
+    ("durable_write", "its previous durable write", "save"),
+    ("flush_snapshots", "its durable writes and peer exchange in flight", "save"),
+    ("prepare_recovery", "its durable writes and peer exchange in flight", "control"),
+    ("take_snapshot", "its previous peer exchange", "hang"),
+)
+"""The worker calls that wait for work of the worker's own: (call, what for, the timeout
+the controller waits on the call with). Each waits `Timeouts.within` that timeout."""
 
 _TIMEOUT_ORDER = (("replace", "start"), ("hang", "collective"), ("transfer", "collective"))
 """Pairs ``(shorter, longer)`` of `Timeouts` that must be in this order (docs/timeouts.md)."""

@@ -16,21 +16,150 @@ worth), so a power loss or a full disk can leave the last line torn: reading ski
 a warning, and the next append cuts it off first, so the files stay one JSON record per
 line (a torn line anywhere else is an error). `plot_loss` draws ``loss.png`` from the
 metrics and events records.
+
+A job holds its run folder, and its durable snapshot folder, for its whole life
+(`FolderLock`): a second job given either is refused at its start, naming the job that
+holds it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import json
 import logging
 import os
+import socket
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from recovery.names import Strategy
 
 log = logging.getLogger(__name__)
+LOCK_FILE = ".checkfree.lock"
+"""The file a job's `FolderLock` holds in a folder (it names the holder)."""
+
+
+class FolderInUse(RuntimeError):
+    """Another job holds the folder (`FolderLock`); the message names it.
+
+    ``folder`` is the folder, ``holder`` what the holder wrote in its lock file (``pid``,
+    ``host``, ``started_at``; empty if unreadable).
+    """
+
+    def __init__(self, message: str, *, folder: Path, holder: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.folder = folder
+        self.holder = holder
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_folder_in_use, (str(self), self.folder, self.holder))
+
+
+def _folder_in_use(message: str, folder: Path, holder: dict[str, Any]) -> FolderInUse:
+    return FolderInUse(message, folder=folder, holder=holder)
+
+
+class FolderLock:
+    """One job's exclusive hold on a folder, for the job's life: an ``flock`` on the
+    folder's `LOCK_FILE`, as the Criteo cache holds its files
+    (``parallelism/workloads/clicks/cache.py``). The kernel releases it when the process
+    ends, however it ends, so a job that died never blocks the next. On NFS, Linux maps
+    ``flock`` onto the server's byte-range locks, so jobs on different machines exclude
+    each other too.
+
+    Two jobs in one folder would delete each other's temporary and final snapshots, prune
+    each other's, and commit a step from ranks of both; so the second is refused.
+
+    Args:
+        folder: the folder (created if missing).
+        what: how errors name it (``"run folder"``, ``"snapshot folder"``).
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], what: str) -> None:
+        self.folder = Path(folder)
+        self.what = what
+        self._file: IO[str] | None = None
+        self._created = False
+
+    def acquire(self) -> FolderLock:
+        """Take the lock and record this process as its holder. Returns ``self``.
+
+        Raises:
+            FolderInUse: if another job (another process, or another job of this one)
+                holds it, naming the folder and the holder's pid, host and start time.
+            OSError: if the folder or its lock file cannot be created.
+        """
+        created = not self.folder.exists()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / LOCK_FILE
+        handle = path.open("a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = _parse_holder(handle.read())
+            handle.close()
+            raise FolderInUse(
+                f"the {self.what} {self.folder} is in use by another job: "
+                f"{_describe(holder)} (recorded in {path}). Wait for that job to end or stop "
+                f"it, or give this job another folder (a job that died holds no lock: the "
+                f"kernel releases it with the process)",
+                folder=self.folder,
+                holder=holder,
+            ) from None
+        except BaseException:
+            handle.close()
+            raise
+        handle.seek(0)
+        handle.truncate()
+        started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "started_at": started}
+        handle.write(json.dumps(holder) + "\n")
+        handle.flush()
+        self._file, self._created = handle, created
+        return self
+
+    def release(self) -> None:
+        """Let the folder go (idempotent). A folder the lock created and that holds
+        nothing else (a job refused before it wrote anything) is removed with it."""
+        handle, self._file = self._file, None
+        if handle is None:
+            return
+        if self._created and [p.name for p in self.folder.iterdir()] == [LOCK_FILE]:
+            with contextlib.suppress(OSError):
+                (self.folder / LOCK_FILE).unlink()
+                self.folder.rmdir()
+        handle.close()  # (closing the last descriptor releases the flock)
+
+    @property
+    def held(self) -> bool:
+        return self._file is not None
+
+    def __enter__(self) -> FolderLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _parse_holder(text: str) -> dict[str, Any]:
+    try:
+        holder = json.loads(text)
+    except ValueError:
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _describe(holder: Mapping[str, Any]) -> str:
+    if not holder:
+        return "a process that has not recorded itself yet"
+    return (
+        f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, "
+        f"started {holder.get('started_at', '?')}"
+    )
 
 
 def _json_default(obj: object) -> object:

@@ -25,7 +25,7 @@ from recovery.faults import FailureSchedule
 from recovery.groups.resources import worker_ask
 from recovery.names import FailureCause, Strategy, Tier
 from recovery.policy import RecoveryPolicy
-from recovery.rundir import RunDir, plot_loss
+from recovery.rundir import FolderLock, RunDir, plot_loss
 from recovery.runtime import Controller, ControllerConfig, FitResult, StepRecord
 from recovery.worker import WorkerInfo
 
@@ -190,6 +190,8 @@ class Trainer:
 
         Raises:
             ValueError: for a bad spec/topology combination, before any worker starts.
+            FolderInUse: if another job holds the run folder or the snapshot folder
+                (`recovery.rundir.FolderLock`), before any worker starts.
             RecoveryError: if a failure could not be recovered.
         """
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -197,7 +199,11 @@ class Trainer:
         self.failures.check(self.topology, steps)
         callbacks = self._job_callbacks()
         try:
-            result = self._fit(steps, callbacks)
+            if self.run_dir is None:
+                result = self._fit(steps, callbacks)
+            else:
+                with FolderLock(self.run_dir.path, "run folder"):  # for the job's life
+                    result = self._fit(steps, callbacks)
         except BaseException as exc:
             callbacks.on_fit_error(exc)
             raise
@@ -272,6 +278,7 @@ class Trainer:
             timings=dict(controller.persistence.timings),
             states=states,
             mirrors=mirrors,
+            skipped_snapshots=[s.to_dict() for s in controller.persistence.skipped],
         )
         if run_dir is not None:
             run_dir.write_json("summary.json", self._summary(result))
@@ -398,6 +405,7 @@ class Trainer:
             "recoveries": len(result.events),
             "recovery_seconds": sum(e.seconds for e in result.events),
             "lost_steps": sum(e.lost_steps for e in result.events),
+            "skipped_snapshots": len(result.skipped_snapshots),
         }
 
 

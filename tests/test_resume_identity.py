@@ -238,3 +238,32 @@ def closure_spec():  # type: ignore[no-untyped-def]
         return ((out - target) ** 2).mean() * weights[0] * LR
 
     return mlp_spec(make_optimizer=_with_lr(0.3), loss_fn=loss)
+
+
+def test_a_fresh_start_in_a_folder_with_snapshots_is_refused_before_any_worker_starts(
+    tmp_path: Path,
+) -> None:
+    """A job told not to resume (``ControllerConfig(resume=False)``), given a folder that
+    holds complete snapshots, would land its first snapshot on an old one and fail
+    mid-run; it is refused at its start instead, before any worker starts, naming the
+    folder and the two ways on."""
+    from recovery.groups import ThreadWorkerGroup
+    from recovery.runtime import Controller, ControllerConfig
+    from recovery.runtime.layouts import layout_for
+
+    _run(mlp_spec(), tmp_path)  # snapshots of steps 2 and 4
+    group = ThreadWorkerGroup(layout_for(mlp_spec(), TOP, POLICY, 1).worker_cls)
+    config = ControllerConfig(backend="gloo", snapshot_dir=str(tmp_path), resume=False)
+    controller = Controller(mlp_spec(), TOP, config, policy=POLICY, group=group)
+    try:
+        with pytest.raises(ValueError, match="starts afresh") as refused:
+            controller.start()
+        assert group.started == 0
+    finally:
+        controller.shutdown()
+    text = str(refused.value)
+    assert str(tmp_path) in text and "steps 4, 2" in text
+    assert "move the folder away" in text and "resume" in text
+    # Given the folder back with resume on, the same job goes on from step 4.
+    again = _run(mlp_spec(), tmp_path, steps=6)
+    assert again.resumed_from == 4

@@ -12,6 +12,7 @@ import json
 import pickle
 import time
 from collections.abc import Mapping
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -440,7 +441,7 @@ def test_a_peer_snapshot_always_records_its_digests_before_it_is_served(
     monkeypatch.setattr(PackedState, "digested", slow)
     module, optimizer = trained(0)
     keeper = SnapshotKeeper()
-    keeper.take(2, ws(module, optimizer, 3), None, None, None)
+    keeper.take(2, ws(module, optimizer, 3), None, None, None, wait=timedelta(seconds=60))
     assert keeper.peer.get(3, 2).digests is None  # not yet: the caller did not wait
     keeper.join_exchange(timeout=0)  # given up, as leaving a generation may
     own = keeper.held(3, 2)
@@ -650,3 +651,43 @@ def test_a_ring_of_peer_snapshots_rolls_everyone_back_exactly() -> None:
     for s in stores.values():
         s.discard_after(step)
         assert max(s.steps(), default=0) <= 20
+
+
+# -- a commit or a write that fails; a rollback's abandoned writes --------------------------
+
+
+def test_a_commit_that_cannot_be_written_leaves_no_temporary_file(
+    store: DurableStore, tmp_path: Path
+) -> None:
+    """``COMPLETE.json`` cannot be put in place (here a directory is in its way: the rename
+    fails with EISDIR, as ENOSPC or EIO would fail it): the error is raised, and neither a
+    COMPLETE.json nor its temporary file is left."""
+    write_step(store, 2, world=1)
+    module, optimizer = trained(0, steps=4)
+    store.wait(store.write(0, ws(module, optimizer, 4)))
+    (step_path(store.root, 4) / COMPLETE).mkdir()
+    with pytest.raises(OSError):
+        store.commit(4, 1)
+    assert [p.name for p in step_path(store.root, 4).iterdir() if p.is_file()] == []
+    assert store.steps() == [2]
+
+
+def test_a_rollback_forgets_the_durable_writes_of_the_abandoned_steps(tmp_path: Path) -> None:
+    """A survivor rolled back to its peer snapshot of step 4 must not report its write of
+    step 6, taken on the timeline left behind: the ledger would count it for the re-run of
+    step 6, and commit that step before this worker's new write of it has landed."""
+    from datetime import timedelta
+
+    from recovery.worker import StageWorker
+    from tests.workloads import mlp_spec
+
+    worker = StageWorker()
+    worker.setup(mlp_spec(), Topology(1, 1), 0, "gloo")
+    worker.step = 4
+    worker.take_snapshot(4)
+    worker.step = 6
+    worker.durable_write(str(tmp_path), 6, timedelta(seconds=30))
+    worker.snapshots.flush(timedelta(seconds=30))  # the write of step 6 has landed
+    assert worker.restore_own(4) == (4, {})
+    assert worker.flush_snapshots().durable_done == []
+    worker.reset()

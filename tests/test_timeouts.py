@@ -1,15 +1,26 @@
 """The timeout hierarchy (docs/timeouts.md): `Timeouts` refuses waits out of order, naming
-both, and the process groups are built with a backend timeout above the controller's."""
+both, the process groups are built with a backend timeout above the controller's, and
+every wait a worker makes inside a call is shorter than the controller's wait on that
+call."""
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from parallelism import Topology
 from parallelism.comm import Rendezvous, StageComm, host_store
+from recovery import Kill, SnapshotPolicy
 from recovery.policy import RecoveryPolicy, Timeouts
+from recovery.runtime import Phase
+from recovery.snapshots import DurableStore
+from tests.jobs import drive, make
+from tests.workloads import mlp_spec
 
 
 def test_the_defaults_are_in_order_and_the_backend_waits_longest() -> None:
@@ -83,3 +94,80 @@ def test_the_groups_are_built_with_the_collective_timeout_not_the_join_timeout()
         assert comm.world.options._timeout == timedelta(seconds=20)
     finally:
         comm.close()
+
+
+# -- waits inside waits -------------------------------------------------------------------
+
+ODD = {
+    "default": Timeouts(),
+    "tiny hang": Timeouts(hang=0.5),
+    "short save, long hang": Timeouts(save=5, hang=600, transfer=30, control=1),
+    "long save, short rest": Timeouts(save=3600, hang=2, transfer=1, control=0.5, join=1),
+    "long control": Timeouts(control=1000, save=1),
+}
+
+
+def _check_hierarchy(timeouts: Timeouts) -> None:
+    nested = timeouts.nested()
+    guarded = {(w.inner, w.outer) for w in nested}
+    for inner in ("durable_write", "flush_snapshots", "prepare_recovery", "take_snapshot"):
+        assert any(i.startswith(inner) for i, _ in guarded), (inner, guarded)
+    for outer in ("collective", "start"):
+        assert any(o == outer for _, o in guarded), (outer, guarded)
+    for wait in nested:
+        assert wait.inner_s < wait.outer_s, wait
+
+
+@pytest.mark.parametrize("timeouts", list(ODD.values()), ids=list(ODD))
+def test_every_inner_wait_is_shorter_than_the_one_guarding_it(timeouts: Timeouts) -> None:
+    """The whole hierarchy, as the runtime uses it: each worker call's own waits (for its
+    durable writes, for the peer exchange) against the controller's wait on that call, and
+    the controller's clocks against the backend's."""
+    _check_hierarchy(timeouts)
+
+
+_SECONDS = st.floats(min_value=0.01, max_value=1e5, allow_nan=False)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.fixed_dictionaries({f: _SECONDS for f in ("start", "replace", "join", "hang",
+                                                     "transfer", "save", "control")}))  # fmt: skip
+def test_the_hierarchy_holds_for_any_valid_set(values: dict[str, float]) -> None:
+    try:
+        timeouts = Timeouts(**values)  # type: ignore[arg-type]
+    except ValueError:
+        return  # refused as out of order: never used
+    _check_hierarchy(timeouts)
+
+
+def test_durable_writes_that_never_finish_cost_no_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk that stops answering: every durable write from step 2 on never lands. The
+    next snapshots are skipped (each worker gives up waiting for its previous write within
+    its call), a recovery's survivors leave the generation on time, the job ends: the only
+    worker lost is the one killed."""
+    release = threading.Event()
+    real = DurableStore._finish
+
+    def stuck(self: DurableStore, upload, step: int, *args):  # type: ignore[no-untyped-def]
+        if step >= 2:
+            release.wait(120)
+        return real(self, upload, step, *args)
+
+    monkeypatch.setattr(DurableStore, "_finish", stuck)
+    policy = RecoveryPolicy(
+        snapshots=SnapshotPolicy(peer_every=None, durable_every=2),
+        timeouts=Timeouts(hang=2, save=2, control=1),
+    )
+    killed = Kill(step=5, stage=0, replica=1)
+    controller, _ = make(
+        mlp_spec(), Topology(2, 2), killed, policy=policy, snapshot_dir=str(tmp_path), steps=7
+    )
+    try:
+        phases = drive(controller)
+    finally:
+        release.set()
+    assert phases[-1] is Phase.FINISHED, controller.error
+    assert [e.lost for e in controller.events] == [[(0, 1)]], controller.events
+    assert controller.ledger.durable_steps == []  # nothing landed, and the job trained on

@@ -215,3 +215,46 @@ def transformer_spec(per_replica: int = 4, microbatches: int = 2, **overrides) -
     )
     kwargs.update(overrides)
     return TrainSpec(**kwargs)
+
+
+SLOW_WRITES = ".slow-writes.json"
+"""A file in a durable snapshot folder that makes the writes into it slow (`slow_disk_stage`):
+``{"seconds": s, "steps": [...]}``."""
+
+
+def slow_disk_stage(stage: int, num_stages: int) -> nn.Module:
+    """`mlp_stage`, built in a worker whose durable writes into a folder holding
+    `SLOW_WRITES` take that many seconds longer for those steps: a slow disk (NFS, a large
+    state) as the worker process itself meets it. Ray workers are other processes, so the
+    spec installs it where it runs; the folder's file decides, so a worker process reused
+    by a later job writes at full speed."""
+    import json
+    from pathlib import Path
+
+    from recovery.snapshots.durable import DurableStore
+
+    real = DurableStore._finish
+    if not getattr(real, "slow_disk", False):
+
+        def _finish(self, upload, step, rank, *args):  # type: ignore[no-untyped-def]
+            marker = Path(self.root) / SLOW_WRITES
+            if marker.is_file():
+                slow = json.loads(marker.read_text())
+                if step in slow["steps"]:
+                    time.sleep(slow["seconds"])
+            return real(self, upload, step, rank, *args)
+
+        _finish.slow_disk = True  # type: ignore[attr-defined]
+        DurableStore._finish = _finish  # type: ignore[method-assign]
+    return mlp_stage(stage, num_stages)
+
+
+def paced_stage(stage: int, num_stages: int) -> nn.Module:
+    """`mlp_stage` whose every forward takes 20 ms longer: a job that trains for a while."""
+
+    class Paced(nn.Sequential):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.02)
+            return super().forward(x)
+
+    return Paced(nn.Linear(16, 16), nn.Tanh())

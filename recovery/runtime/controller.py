@@ -91,6 +91,7 @@ from recovery.groups.group import WorkerGroup
 from recovery.names import FailureCause, Strategy
 from recovery.planner import RecoveryPlan, Redundancy, corruption_plan, plan
 from recovery.policy import RecoveryPolicy
+from recovery.rundir import FolderLock
 from recovery.runtime.decisions import (
     MAX_INTERRUPTIONS,
     AtBoundary,
@@ -107,7 +108,7 @@ from recovery.runtime.executor import execute_or_fall_back
 from recovery.runtime.layouts import StateLayout, layout_for
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.runtime.membership import Membership
-from recovery.runtime.persistence import Persistence
+from recovery.runtime.persistence import Persistence, claim_snapshot_folder
 from recovery.runtime.records import Failure, PendingEvent, StepRecord, recovery_event
 from recovery.runtime.replacing import replace_lost
 from recovery.runtime.states import (
@@ -154,7 +155,9 @@ class ControllerConfig:
     snapshot_dir: str | None = None
     """Where durable snapshots go (required when the policy sets ``snapshots.durable_every``)."""
     resume: bool = True
-    """Resume from the newest intact durable snapshot in ``snapshot_dir``, if one exists."""
+    """Resume from the newest intact durable snapshot in ``snapshot_dir``, if one exists.
+    False: start afresh; a ``snapshot_dir`` holding complete snapshots is then refused at
+    the start (`claim_snapshot_folder`)."""
     worker_options: dict[str, Any] = field(default_factory=dict)
     """Extra Ray actor options for every worker (`RayWorkerGroup` only)."""
     worker_resources: dict[str, float] | None = None
@@ -250,6 +253,8 @@ class Controller:
         self.members: Membership | None = None
         self.persistence: Persistence
         self.runner: StepRunner | None = None
+        self._folder_lock: FolderLock | None = None
+        """The durable snapshot folder's, held from `start` to `shutdown`."""
 
     # -- views ---------------------------------------------------------------------------
 
@@ -304,6 +309,9 @@ class Controller:
         self.tokens_per_step = self.spec.check(self.topology)
         self.layout = layout_for(self.spec, self.topology, self.policy, self.tokens_per_step)
         self.layout.validate(self.config.backend, self.config.device)
+        self._folder_lock = claim_snapshot_folder(
+            self.policy, self.config.snapshot_dir, resume=self.config.resume
+        )
         self.group = group = self.group or _ray_group(self.layout, self.config)
         group.check_capacity(self.topology.world_size + self.policy.hot_spares)
         self.members = members = Membership(
@@ -623,8 +631,13 @@ class Controller:
         return self.layout.costs(self.group, self.policy.timeouts.control)
 
     def shutdown(self) -> None:
-        """Release every worker (parked for reuse after a clean finish); drop the store."""
-        if self.group is not None:
-            self.group.shutdown(clean=isinstance(self.state, Finished))
-        if self.members is not None:
-            self.members.close()
+        """Release every worker (parked for reuse after a clean finish); drop the store;
+        let the snapshot folder go."""
+        try:
+            if self.group is not None:
+                self.group.shutdown(clean=isinstance(self.state, Finished))
+            if self.members is not None:
+                self.members.close()
+        finally:
+            if self._folder_lock is not None:
+                self._folder_lock.release()

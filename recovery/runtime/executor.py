@@ -180,7 +180,7 @@ def _rollback(ctx: Restore, plan: RecoveryPlan) -> int:
         loaded = ctx.group.call(
             StageWorker.durable_load,
             args=lambda rank: (ctx.snapshot_dir, step),
-            timeout=ctx.timeout,
+            timeout=ctx.policy.timeouts.save,
         )
         require(loaded, f"load the durable snapshot of step {step}")
     else:

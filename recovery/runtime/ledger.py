@@ -32,6 +32,8 @@ class RedundancyLedger:
     """Steps with an intact, complete durable snapshot."""
     durable_writes: dict[int, set[int]] = field(default_factory=dict)
     """Durable snapshot step -> the ranks whose write of it has finished (not yet complete)."""
+    durable_skipped: set[int] = field(default_factory=set)
+    """Durable snapshot steps given up (some write or the commit failed): never complete."""
     ring: dict[int, int] = field(default_factory=dict)
     """Rank -> its buddy in the current generation: the holder of its peer snapshots and
     (embedding tables) of its shard mirror."""
@@ -53,13 +55,23 @@ class RedundancyLedger:
         for rank, report in reports.items():
             self.holdings[rank] = report.snapshots
             for step in report.durable_done:
-                self.durable_writes.setdefault(step, set()).add(rank)
+                if step not in self.durable_skipped:
+                    self.durable_writes.setdefault(step, set()).add(rank)
         done = [
             s for s, ranks in self.durable_writes.items() if len(ranks) == self.topology.world_size
         ]
         for step in done:
             del self.durable_writes[step]
         return sorted(done)
+
+    def skip_durable(self, step: int) -> bool:
+        """Give up the durable snapshot of ``step``: it will never be complete. Returns
+        whether it was not given up already."""
+        self.durable_writes.pop(step, None)
+        if step in self.durable_skipped:
+            return False
+        self.durable_skipped.add(step)
+        return True
 
     def note_norms(self, norms: Iterable[float]) -> None:
         """The committed step's per-stage clipped gradient norms."""
@@ -104,6 +116,7 @@ class RedundancyLedger:
         """After a rollback to ``step``: nothing of the abandoned timeline remains."""
         self.durable_steps = [s for s in self.durable_steps if s <= step]
         self.durable_writes = {}
+        self.durable_skipped = {s for s in self.durable_skipped if s <= step}
         for held in self.holdings.values():
             for rank in list(held):
                 held[rank] = [s for s in held[rank] if s <= step]

@@ -109,7 +109,10 @@ class Membership:
         prepared = self.group.call(
             StageWorker.prepare_recovery,
             [*survivors, *sorted(keep)],
-            lambda r: (r not in keep and self.topology.worker(r).stage in short,),
+            lambda r: (
+                r not in keep and self.topology.worker(r).stage in short,
+                self.policy.timeouts.within("control"),
+            ),
             timeout=self.policy.timeouts.control,
         )
         gone = set(prepared.lost)

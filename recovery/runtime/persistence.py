@@ -7,12 +7,13 @@ in the `RedundancyLedger`. This module decides nothing about recovery.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import logging
 import secrets
 import tempfile
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +23,69 @@ from recovery.errors import RecoveryError, SnapshotCorrupted
 from recovery.groups.group import WorkerGroup, WorkerMethod, require
 from recovery.names import Mode
 from recovery.policy import RecoveryPolicy
+from recovery.rundir import FolderLock
 from recovery.runtime.executor import Restore
 from recovery.runtime.ledger import RedundancyLedger
-from recovery.snapshots import DurableStore
+from recovery.snapshots import DurableStore, SnapshotFolder
 from recovery.snapshots.identity import job_identity
 from recovery.worker import StageWorker, StepReport
 
-__all__ = ["Persistence"]
+__all__ = ["Persistence", "SkippedSnapshot", "claim_snapshot_folder"]
 
 log = logging.getLogger("checkfree")
+
+RUN_OF_FAILURES = 3
+"""Durable snapshots skipped in a row from which each one is logged as an error."""
+
+
+@dataclass(frozen=True)
+class SkippedSnapshot:
+    """A durable snapshot that could not be written or committed, and was skipped."""
+
+    step: int
+    error: str
+    """What failed: a rank's write (``"rank 3: OSError: ..."``) or the commit."""
+    in_a_row: int
+    """Snapshots skipped in a row, this one included (since the last complete one)."""
+    at: float
+    """When (``time.time()``)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def claim_snapshot_folder(
+    policy: RecoveryPolicy, snapshot_dir: str | None, *, resume: bool
+) -> FolderLock | None:
+    """Lock the durable snapshot folder for this job's life, if the policy takes durable
+    snapshots (call it before any worker starts; `FolderLock.release` at the end). A job
+    that starts afresh (not ``resume``) is refused a folder that holds complete snapshots:
+    its own would land on them (`DurableStore.write` refuses a complete step).
+
+    Raises:
+        ValueError: if the policy takes durable snapshots and there is no folder, or a job
+            that starts afresh is given one with complete snapshots (naming the folder and
+            how to go on).
+        FolderInUse: if another job holds the folder, naming it.
+    """
+    if policy.snapshots.durable_every is None:
+        return None
+    if not snapshot_dir:
+        raise ValueError(
+            "snapshots.durable_every needs a snapshot folder: set snapshots.dir or a run folder"
+        )
+    lock = FolderLock(snapshot_dir, "snapshot folder").acquire()
+    steps = [] if resume else SnapshotFolder(snapshot_dir).steps()
+    if steps:
+        lock.release()
+        shown = ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else "")
+        raise ValueError(
+            f"the snapshot folder {snapshot_dir} holds durable snapshots (steps {shown}), and "
+            "this job starts afresh (resume=False): its snapshots would land on them. To start "
+            "from scratch, move the folder away (or give this job another one); to go on "
+            "from them, resume (resume=True)"
+        )
+    return lock
 
 
 class Persistence:
@@ -68,6 +123,9 @@ class Persistence:
                 or tempfile.mkdtemp(prefix="checkfree-ckpt-")
             )
         self._identity: dict[str, str] | None = None
+        self.skipped: list[SkippedSnapshot] = []
+        """Durable snapshots skipped because a write or the commit failed, in order."""
+        self._in_a_row = 0
         self.timings: dict[str, list[float]] = {}
         """Seconds the job was blocked, per kind of work (checkpoint and snapshot writes)."""
 
@@ -227,15 +285,16 @@ class Persistence:
 
     def note(self, reports: Mapping[int, StepReport]) -> None:
         """Book what the workers report holding; mark complete the durable snapshots that
-        every rank has finished writing, and prune old ones."""
+        every rank has finished writing, and prune old ones. A snapshot some rank could not
+        write, or that cannot be committed, is skipped (`skipped`)."""
         done = self.ledger.note(reports)
         if self.durable is None:
             return
+        for _, report in sorted(reports.items()):
+            for step, why in sorted(report.durable_failed.items()):
+                self._skip(step, why)
         for step in done:
-            self.durable.commit(step, self.topology.world_size, self.meta())
-            self.ledger.durable_steps.append(step)
-            removed = self.durable.prune(self.policy.snapshots.keep_durable, checksums=False)
-            self.ledger.durable_steps = [s for s in self.ledger.durable_steps if s not in removed]
+            self._commit(step)
 
     def commit_landed(self) -> None:
         """Mark complete the durable snapshots whose every rank's files are on disk.
@@ -246,17 +305,68 @@ class Persistence:
         if self.durable is None:
             return
         for step in sorted(self.ledger.durable_writes):
-            with contextlib.suppress(FileNotFoundError):
-                self.durable.commit(step, self.topology.world_size, self.meta())
-                del self.ledger.durable_writes[step]
-                self.ledger.durable_steps.append(step)
+            self._commit(step, landed=True)
+
+    def _commit(self, step: int, *, landed: bool = False) -> None:
+        """Commit the durable snapshot of ``step`` and prune old ones; skip it if it cannot
+        be committed. ``landed``: a step not every rank reported (a rank folder not in
+        place yet is no failure: it may land later)."""
+        assert self.durable is not None
+        try:
+            self.durable.commit(step, self.topology.world_size, self.meta())
+        except FileNotFoundError as exc:
+            if landed:
+                return
+            self._skip(step, f"{type(exc).__name__}: {exc}")
+            return
+        except (OSError, SnapshotCorrupted) as exc:  # ENOSPC, EIO, ESTALE, a garbled manifest
+            self._skip(step, f"{type(exc).__name__}: {exc}")
+            return
+        self.ledger.durable_writes.pop(step, None)
+        self.ledger.durable_steps.append(step)
+        self._in_a_row = 0
+        try:
+            removed = self.durable.prune(self.policy.snapshots.keep_durable, checksums=False)
+        except OSError as exc:  # old snapshots stay; the next commit prunes again
+            log.warning("could not prune the durable snapshots in %s: %s", self.snapshot_dir, exc)
+            return
+        self.ledger.durable_steps = [s for s in self.ledger.durable_steps if s not in removed]
+
+    def _skip(self, step: int, error: str) -> None:
+        """Give up the durable snapshot of ``step``: warn, and book it in `skipped`. The
+        newest complete snapshot stays the durable tier's rollback point."""
+        if not self.ledger.skip_durable(step):
+            return  # another rank's failure of the same snapshot
+        self._in_a_row += 1
+        skipped = SkippedSnapshot(step=step, error=error, in_a_row=self._in_a_row, at=time.time())
+        self.skipped.append(skipped)
+        newest = max(self.ledger.durable_steps, default=None)
+        what = (
+            f"durable snapshot of step {step} in {self.snapshot_dir} skipped, training goes on "
+            f"(the newest complete one is {'none' if newest is None else f'step {newest}'}): "
+            f"{error}"
+        )
+        if self._in_a_row >= RUN_OF_FAILURES:
+            log.error(
+                "%s. %d durable snapshots in a row could not be written: is the folder full, "
+                "read-only or gone?",
+                what,
+                self._in_a_row,
+            )
+        else:
+            log.warning("%s", what)
 
     def flush(self) -> None:
         """At the end of a job: let durable writes in flight land and mark them complete,
         so that a re-run with more steps resumes from the end of this one."""
         if self.durable is None:
             return
-        got = self.group.call(StageWorker.flush_snapshots, timeout=self.policy.timeouts.save)
+        timeouts = self.policy.timeouts
+        got = self.group.call(
+            StageWorker.flush_snapshots,
+            args=lambda rank: (timeouts.within("save"),),
+            timeout=timeouts.save,
+        )
         self.note(got.results)
 
     def initial_snapshot(self, step: int) -> None:
@@ -264,9 +374,13 @@ class Persistence:
         are checked: a corruption found before the first scheduled snapshot can then roll
         back to it (see [Note: fingerprint vote] in recovery/integrity/fingerprint_vote.py)."""
         if self.policy.snapshots.peer_every and self.topology.world_size > 1:
-            hang = self.policy.timeouts.hang
+            timeouts = self.policy.timeouts
             self._all(
-                StageWorker.take_snapshot, "take the initial peer snapshots", step, timeout=hang
+                StageWorker.take_snapshot,
+                "take the initial peer snapshots",
+                step,
+                timeouts.within("hang"),
+                timeout=timeouts.hang,
             )
 
     # -- after each commit ---------------------------------------------------------------
@@ -295,8 +409,12 @@ class Persistence:
         )
 
     def after_commit(self, step: int) -> None:
-        """Take the checkpoint and snapshots due now that ``step`` steps are committed."""
-        hang = self.policy.timeouts.hang
+        """Take the checkpoint and snapshots due now that ``step`` steps are committed.
+
+        Each call is waited on for its timeout, and told how long it may wait inside for
+        the worker's own work in flight (`Timeouts.within`): a slow disk holds a durable
+        write up to ``save``, never past it, and is never taken for a hang."""
+        timeouts = self.policy.timeouts
         if self._checkpoint_due(step):
             start = time.perf_counter()
             self._all(
@@ -311,7 +429,13 @@ class Persistence:
         if self._peer_due(step):
             start = time.perf_counter()
             # Each copy records its digests, checked before a restore ([Note: checked transfers]).
-            self._all(StageWorker.take_snapshot, "take peer snapshots", step, timeout=hang)
+            self._all(
+                StageWorker.take_snapshot,
+                "take peer snapshots",
+                step,
+                timeouts.within("hang"),
+                timeout=timeouts.hang,
+            )
             self._timed("snapshot_write", start)
         if self._durable_due(step):
             start = time.perf_counter()
@@ -320,7 +444,8 @@ class Persistence:
                 "start durable snapshots",
                 self.snapshot_dir,
                 step,
-                timeout=hang,
+                timeouts.within("save"),
+                timeout=timeouts.save,
             )
             self._timed("durable_write", start)
             self.ledger.durable_writes.setdefault(step, set())

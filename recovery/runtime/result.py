@@ -41,6 +41,9 @@ class FitResult:
     mirrors: dict[str, float] = field(default_factory=dict)
     """Embedding tables: what the shard mirrors cost per worker (bytes): the mirror's
     memory, the shard's own size, and the update traffic per step."""
+    skipped_snapshots: list[dict[str, Any]] = field(default_factory=list)
+    """Durable snapshots that could not be written or committed and were skipped (the job
+    trained on): ``{"step", "error", "in_a_row", "at"}`` each, in order."""
 
     @property
     def val_losses(self) -> list[tuple[int, float]]:

@@ -14,6 +14,7 @@ which adds asynchronous writes, checksums and a commit marker on top of the same
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -80,15 +81,24 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Mapping[str, Any]) -> b
     """Write ``obj`` as JSON to ``path`` atomically: a temporary file, fsync, rename.
 
     Returns the bytes written. A reader sees the old file or the new one, never a part.
+
+    Raises:
+        OSError: if it cannot be written (a full disk, an I/O error, a stale NFS handle);
+            then the temporary file is removed and ``path`` is as it was.
     """
     path = Path(path)
     data = (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
     return data
 

@@ -185,7 +185,7 @@ class DurableStore(SnapshotFolder):
                     f"durable write of step {previous.step}, rank {rank} still running after "
                     f"{timeout}; not starting the write of step {step}"
                 )
-        if (step_path(self.root, step) / COMPLETE).exists():
+        if (step_path(self.root, step) / COMPLETE).is_file():
             raise FileExistsError(
                 f"durable snapshot of step {step} in {self.root} is already complete; after a "
                 "rollback, discard_after(rollback step) must drop the abandoned timeline"
@@ -296,6 +296,12 @@ class DurableStore(SnapshotFolder):
             raise TimeoutError(f"{len(running)} durable write(s) still running after {timeout}")
         self._closed = True
         self._finisher.shutdown(wait=True)
+
+    def abandon(self) -> None:
+        """Stop without waiting: no new write starts, and those in flight finish in the
+        background (their snapshots are never committed by this store's caller)."""
+        self._closed = True
+        self._finisher.shutdown(wait=False)
 
     # -- loading (workers) ----------------------------------------------------------------
 

@@ -10,6 +10,7 @@ recorded. `DurableStore` adds the workers' side (writing and loading).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -290,7 +291,8 @@ class SnapshotFolder:
 
     def _remove(self, step: int) -> None:
         folder = step_path(self.root, step)
-        (folder / COMPLETE).unlink(missing_ok=True)
+        with contextlib.suppress(IsADirectoryError):  # a directory in its way: no commit
+            (folder / COMPLETE).unlink(missing_ok=True)
         fsync_dir(folder)
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -9,9 +9,11 @@ the peer store, the checksummed durable store -- are `recovery.snapshots`.
 
 from __future__ import annotations
 
-import contextlib
+import concurrent.futures
 import logging
 import threading
+import time
+from datetime import timedelta
 
 import torch
 
@@ -30,6 +32,11 @@ __all__ = ["SnapshotKeeper"]
 
 log = logging.getLogger("checkfree")
 
+_WRITES_AT_CLOSE = timedelta(seconds=2)
+"""How long `SnapshotKeeper.close` waits for durable writes in flight: a worker reset at the
+end of a job is given 5 s after a failure (``RayWorkerGroup.shutdown``); the job's own end
+flushed them already."""
+
 
 class SnapshotKeeper:
     """One worker's snapshot holdings.
@@ -43,6 +50,8 @@ class SnapshotKeeper:
         self.peer = PeerSnapshots(keep=2)
         self._durable: DurableStore | None = None
         self._writes: dict[int, WriteHandle] = {}
+        self._failed: dict[int, str] = {}
+        """Durable snapshot step -> why this worker's write of it failed (not yet reported)."""
         self._exchange: threading.Thread | None = None
         self._lock = threading.Lock()
         self._round = 0
@@ -55,37 +64,65 @@ class SnapshotKeeper:
         """Drop every peer copy (a worker set up afresh holds none)."""
         self.peer = PeerSnapshots(keep=2)
 
-    def close(self) -> None:
-        """Drop everything: the durable store, its writes in flight, every peer copy."""
-        if self._durable is not None:
-            self._durable.close()
-            self._durable = None
-        self._writes = {}
+    def close(self, wait: timedelta = _WRITES_AT_CLOSE) -> None:
+        """Drop everything: the durable store, its writes in flight (waited for at most
+        ``wait``, then left to finish in the background), every peer copy."""
+        self._drop_store(wait)
         self.peer = PeerSnapshots(keep=2)
+
+    def _drop_store(self, wait: timedelta) -> None:
+        store, self._durable, self._writes, self._failed = self._durable, None, {}, {}
+        if store is None:
+            return
+        try:
+            store.close(wait)
+        except TimeoutError as exc:
+            log.warning("%s: left to finish in the background", exc)
+            store.abandon()
 
     def holdings(self) -> dict[int, list[int]]:
         """The peer copies held: rank -> steps."""
         return {rank: sorted(steps) for rank, steps in self.peer.holdings().items()}
 
-    def finished_writes(self, rank: int) -> list[int]:
-        """The steps whose durable write finished since the last call. A write that failed
-        is logged and forgotten: that snapshot never completes, and training goes on."""
+    def finished_writes(self, rank: int) -> tuple[list[int], dict[int, str]]:
+        """The steps whose durable write finished since the last call, and those whose
+        write failed (step -> why). A failed write is logged: that snapshot is skipped, and
+        training goes on."""
         done = []
         for s in sorted(s for s, h in self._writes.items() if h.done()):
             try:
                 self._writes.pop(s).result()
                 done.append(s)
             except Exception as exc:
-                log.warning("durable snapshot of step %d failed on rank %d: %s", s, rank, exc)
-        return done
+                self._fail(s, rank, exc)
+        failed, self._failed = self._failed, {}
+        return done, failed
 
-    def flush(self) -> None:
-        """Wait for the durable writes in flight and for the peer exchange."""
-        if self._durable is not None:
-            for handle in list(self._writes.values()):
-                with contextlib.suppress(Exception):
-                    self._durable.wait(handle)
-        self.join_exchange()
+    def _fail(self, step: int, rank: int, exc: BaseException) -> None:
+        log.warning("durable snapshot of step %d skipped on rank %d: %s", step, rank, exc)
+        self._failed[step] = f"rank {rank}: {type(exc).__name__}: {exc}"
+
+    def forget_writes_after(self, step: int) -> None:
+        """After a rollback to ``step``: the durable writes of later steps belong to the
+        timeline left behind. They are never reported (they land, or fail, unseen); a step
+        run again is written again."""
+        self._writes = {s: h for s, h in self._writes.items() if s <= step}
+        self._failed = {s: why for s, why in self._failed.items() if s <= step}
+
+    def flush(self, wait: timedelta) -> None:
+        """Wait for the durable writes in flight and for the peer exchange, at most ``wait``
+        in all. A write still running then is reported when it finishes, by a later
+        `finished_writes`; an exchange still running is given up (`join_exchange`)."""
+        deadline = time.monotonic() + wait.total_seconds()
+        futures = [h.future for h in self._writes.values()]
+        _, running = concurrent.futures.wait(futures, timeout=wait.total_seconds())
+        if running:
+            log.warning(
+                "%d durable write(s) still running after %s; not waiting longer",
+                len(running),
+                wait,
+            )
+        self.join_exchange(max(0.0, deadline - time.monotonic()))
 
     # -- peer memory ---------------------------------------------------------------------
 
@@ -96,6 +133,8 @@ class SnapshotKeeper:
         comm: StageComm | None,
         buddy: int | None,
         ward: int | None,
+        *,
+        wait: timedelta,
     ) -> None:
         """Keep a packed copy of ``rank``'s state (at its step); swap copies with buddy and ward.
 
@@ -103,9 +142,10 @@ class SnapshotKeeper:
         recorded: `PackedState.corrupted` checks a copy before it is restored, see [Note:
         checked transfers]) and the swap run on a background thread -- over the side
         group -- overlapped with training, so that the caller waits for neither the hash
-        nor, on a GPU, the copy to host memory.
+        nor, on a GPU, the copy to host memory. ``wait``: how long the previous exchange may
+        still take (then it is given up).
         """
-        self.join_exchange()
+        self.join_exchange(wait.total_seconds())
         packed = pack_state(state)
         step = packed.step
         self.peer.put(step, rank, packed)
@@ -205,25 +245,39 @@ class SnapshotKeeper:
 
     # -- the durable tier ----------------------------------------------------------------
 
-    def write_durable(self, root: str, rank: int, state: WorkerState) -> None:
+    def write_durable(self, root: str, rank: int, state: WorkerState, wait: timedelta) -> None:
         """Start writing ``rank``'s state (at its step) under ``root`` (asynchronously); its
-        completion shows in a later `finished_writes`."""
-        if self._durable is None or str(self._durable.root) != str(root):
-            self._durable = DurableStore(root)
-        self._writes[state.step] = self._durable.write(rank, state)
+        completion shows in a later `finished_writes`. ``wait``: how long this rank's
+        previous write may still take. If it is still running then, or the write cannot
+        start (the folder is gone, read-only, full...), this snapshot is skipped: logged,
+        reported by the next `finished_writes`, and training goes on."""
+        try:
+            self._store(root, wait)
+            assert self._durable is not None
+            self._writes[state.step] = self._durable.write(rank, state, timeout=wait)
+        except OSError as exc:  # TimeoutError and FileExistsError included
+            self._fail(state.step, rank, exc)
 
     def load_durable(self, root: str, step: int, rank: int, state: WorkerState) -> Progress:
         """Load ``rank``'s durable snapshot of ``step`` from ``root`` into ``state``,
-        forgetting the writes in flight. Returns the progress it holds.
+        forgetting the writes in flight: they are of the timeline left behind, and are not
+        waited for (the store's next write of this rank waits for them). Returns the
+        progress it holds.
 
         Raises:
             SnapshotCorrupted: if its files do not match their checksums (nothing loaded).
         """
-        if self._durable is not None:
-            self._durable.close()
+        self._store(root, timedelta(0))
+        assert self._durable is not None
         self._writes = {}
-        self._durable = DurableStore(root)
         return self._durable.load(step, rank, state)
+
+    def _store(self, root: str, wait: timedelta) -> None:
+        """The durable store of ``root`` (another folder's is dropped, its writes in flight
+        waited for at most ``wait``)."""
+        if self._durable is None or str(self._durable.root) != str(root):
+            self._drop_store(wait)
+            self._durable = DurableStore(root)
 
 
 def _holds(peer: PeerSnapshots, step: int, rank: int, packed: PackedState) -> bool:

@@ -51,6 +51,9 @@ class StepReport:
     """Peer snapshots held: rank -> steps (its own rank: its own copies)."""
     durable_done: list[int] = field(default_factory=list)
     """Durable snapshot steps whose write finished since the last report."""
+    durable_failed: dict[int, str] = field(default_factory=dict)
+    """Durable snapshot steps whose write failed since the last report -> why (that
+    snapshot is skipped)."""
     fingerprint: dict[str, str] | None = None
     """The state's fingerprint (`recovery.integrity.fingerprint`), on the steps the
     policy checks."""

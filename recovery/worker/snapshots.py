@@ -10,9 +10,11 @@ described in `recovery.snapshots`, the ``restart`` baseline's checkpoints in
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from pathlib import Path
 
 from parallelism.engine import StepStats
+from recovery.policy import Timeouts
 from recovery.snapshots import unpack_state
 from recovery.snapshots.checkpoint import load_checkpoint, save_checkpoint
 from recovery.state import Progress
@@ -20,6 +22,10 @@ from recovery.worker.lifecycle import WorkerLifecycle
 from recovery.worker.reports import StepReport
 
 __all__ = ["Snapshotting"]
+
+_SAVE_WAIT = Timeouts().within("save")
+_HANG_WAIT = Timeouts().within("hang")
+"""The waits of a caller that passes none: the default policy's (`Timeouts.within`)."""
 
 
 class Snapshotting(WorkerLifecycle):
@@ -31,8 +37,9 @@ class Snapshotting(WorkerLifecycle):
 
     def _report(self, step: int, stats: StepStats) -> StepReport:
         """A ready report for ``step``: its measurements and the redundancy this worker
-        holds (its peer copies, and the durable writes that finished since the last one)."""
-        done = self.snapshots.finished_writes(self.rank)
+        holds (its peer copies, and the durable writes that finished -- or failed -- since
+        the last one)."""
+        done, failed = self.snapshots.finished_writes(self.rank)
         return StepReport(
             rank=self.rank,
             step=step,
@@ -40,26 +47,31 @@ class Snapshotting(WorkerLifecycle):
             stats=stats,
             snapshots=self.snapshots.holdings(),
             durable_done=done,
+            durable_failed=failed,
         )
 
-    def flush_snapshots(self) -> StepReport:
-        """Wait for durable writes in flight; report what is held (at the end of a job)."""
-        self.snapshots.flush()
+    def flush_snapshots(self, wait: timedelta = _SAVE_WAIT) -> StepReport:
+        """Wait for durable writes and the peer exchange in flight, at most ``wait``
+        (`Timeouts.within` the controller's wait on this call); report what is held."""
+        self.snapshots.flush(wait)
         return self._report(self.step, StepStats())
 
     # -- peer memory ---------------------------------------------------------------------
 
-    def take_snapshot(self, step: int) -> float:
+    def take_snapshot(self, step: int, wait: timedelta = _HANG_WAIT) -> float:
         """Keep a packed copy of this worker's state at ``step`` and send one to the buddy.
 
         The copy is taken now (so the next step cannot leak into it); its digests, checked
         before it is restored, and the exchange with buddy and ward are taken on a
-        background thread, overlapped with training. Returns the seconds the caller was
-        blocked.
+        background thread, overlapped with training. ``wait``: how long the previous
+        exchange may still take (`Timeouts.within` the controller's wait on this call).
+        Returns the seconds the caller was blocked.
         """
         start = time.perf_counter()
         assert step == self.step, (step, self.step)
-        self.snapshots.take(self.rank, self.own_state(), self.comm, self.buddy, self.ward)
+        self.snapshots.take(
+            self.rank, self.own_state(), self.comm, self.buddy, self.ward, wait=wait
+        )
         return time.perf_counter() - start
 
     def restore_own(self, step: int) -> tuple[int, dict[int, list[str]]]:
@@ -101,14 +113,17 @@ class Snapshotting(WorkerLifecycle):
         except OSError:
             return False
 
-    def durable_write(self, root: str, step: int) -> float:
+    def durable_write(self, root: str, step: int, wait: timedelta = _SAVE_WAIT) -> float:
         """Start writing this worker's state at ``step`` to the durable tier (asynchronously).
 
-        Its completion shows in a later report's ``durable_done``. Returns seconds blocked.
+        Its completion shows in a later report's ``durable_done``. ``wait``: how long this
+        worker's previous write may still take (`Timeouts.within` the controller's wait on
+        this call); if it is still running then, this snapshot is skipped. Returns seconds
+        blocked.
         """
         start = time.perf_counter()
         assert step == self.step, (step, self.step)
-        self.snapshots.write_durable(root, self.rank, self.own_state())
+        self.snapshots.write_durable(root, self.rank, self.own_state(), wait)
         return time.perf_counter() - start
 
     def durable_load(self, root: str, step: int) -> int:
@@ -122,11 +137,12 @@ class Snapshotting(WorkerLifecycle):
 
     def _rolled_back(self, progress: Progress) -> None:
         """After restoring a snapshot's module and optimizer state: take its progress (a
-        rebuild's mark with it, or none) and forget every newer snapshot (another
-        timeline)."""
+        rebuild's mark with it, or none) and forget every newer snapshot and durable write
+        (another timeline)."""
         self.progress = progress
         self.digests_ahead = None
         self.snapshots.peer.discard_after(progress.step)
+        self.snapshots.forget_writes_after(progress.step)
 
     # -- restart checkpoints (the baseline) ----------------------------------------------
 

@@ -54,6 +54,7 @@ import signal
 import threading
 import time
 import traceback
+from datetime import timedelta
 from functools import partial
 
 import torch
@@ -64,6 +65,7 @@ from parallelism.schedule import Schedule
 from parallelism.spec import BatchFn, apply_lr_schedule
 from recovery.faults import BitFlip, Corrupt, Fault, Kill, KillPoint, WorkerFault
 from recovery.integrity.fingerprint import fingerprint, flip_bit
+from recovery.policy import Timeouts
 from recovery.transport import DigestsAhead
 from recovery.worker.reports import StepReport, is_comm_error
 from recovery.worker.snapshots import Snapshotting
@@ -71,6 +73,8 @@ from recovery.worker.transfers import StateTransfer
 
 __all__ = ["StageWorker"]
 
+_DEFAULT_WAIT = Timeouts().within("control")
+"""`StageWorker.prepare_recovery`'s wait where its caller passes none."""
 _STEP_POINTS = (KillPoint.BEFORE_FORWARD, KillPoint.MID_PIPELINE, KillPoint.DURING_ALLREDUCE)
 """The kill points inside phase one (`StageWorker.run_step`)."""
 
@@ -418,18 +422,19 @@ class StageWorker(Snapshotting, StateTransfer):
         if comm is not None:
             comm.close()
 
-    def prepare_recovery(self, source: bool = False) -> StepReport:
+    def prepare_recovery(self, source: bool = False, wait: timedelta = _DEFAULT_WAIT) -> StepReport:
         """Abandon the uncommitted step and leave the generation.
 
         ``source``: this worker's stage lost a replica, so it may be asked for its state;
         its digests are taken meanwhile (see [Note: digests taken ahead] in
-        recovery/transport/process_group.py). Returns the committed step and what
-        redundancy this worker holds (peer snapshots, finished durable writes), for the
-        planner.
+        recovery/transport/process_group.py). ``wait``: how long durable writes in flight
+        may take to land (`Timeouts.within` the controller's wait on this call). Returns
+        the committed step and what redundancy this worker holds (peer snapshots,
+        finished durable writes), for the planner.
         """
         self._drop_step()
         self._faults = []
         self.leave()
         if source and self.spec is not None:
             self.digests_ahead = DigestsAhead.start(self.own_state())
-        return self.flush_snapshots()  # let durable writes in flight land before anyone prunes
+        return self.flush_snapshots(wait)  # let durable writes land before anyone prunes
