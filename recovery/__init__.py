@@ -19,7 +19,7 @@ Bottom layer first (tests/test_layers.py holds the order; nothing imports upward
 - ``groups/``: the worker processes (threads or Ray actors) and the Ray plumbing.
 - ``runtime/``: the controller's phase machine over a worker group.
 - ``trainer``: `Trainer` / `FitResult`, the public entry point.
-- ``cli/``: the installed programs (``checkfree-train``).
+- ``cli/``: the programs (``checkfree train``, ``chaos``, ``gpu-check``; see `checkfree.commands`).
 """
 
 from parallelism.datasets import batches_from_dataset
