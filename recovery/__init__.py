@@ -4,7 +4,6 @@ Bottom layer first (tests/test_layers.py holds the order; nothing imports upward
 
 - ``names``, ``errors``, ``events``: the vocabulary, the domain errors, a recovery's record.
 - ``wire``: the JSON header format of whatever travels or is stored besides tensor bytes.
-- ``spec``: `TrainSpec`, what to train (model, loss, optimizer, data).
 - ``strategies/``: the recovery math (CheckFree, CheckFree+, embedding mirrors, PLS).
 - ``rundir``: the run folder (metrics, events, summary, the loss plot).
 - ``reference``: the single-process oracle run, and `differences` against it.
@@ -18,12 +17,14 @@ Bottom layer first (tests/test_layers.py holds the order; nothing imports upward
 - ``worker/``: `StageWorker` (and `TableWorker`), one stage of one replica.
 - ``groups/``: the worker processes (threads or Ray actors) and the Ray plumbing.
 - ``runtime/``: the controller's phase machine over a worker group.
+- ``callbacks/``: `Callback`, user code called at each step and recovery; TensorBoard files.
 - ``trainer``: `Trainer` / `FitResult`, the public entry point.
 - ``cli/``: the programs (``checkfree train``, ``chaos``, ``gpu-check``; see `checkfree.commands`).
 """
 
 from parallelism.datasets import batches_from_dataset
 from parallelism.spec import TrainSpec
+from recovery.callbacks import Callback, TensorBoardLogger
 from recovery.errors import RecoveryError, RedundancyExhausted
 from recovery.events import RecoveryEvent
 from recovery.faults import BitFlip, Corrupt, FailureSchedule, Hang, Kill, KillNode, KillPoint
@@ -33,6 +34,7 @@ from recovery.trainer import FitResult, Trainer
 
 __all__ = [
     "BitFlip",
+    "Callback",
     "CheckFreeConfig",
     "Corrupt",
     "FailureSchedule",
@@ -48,6 +50,7 @@ __all__ = [
     "RedundancyExhausted",
     "RestartBaseline",
     "SnapshotPolicy",
+    "TensorBoardLogger",
     "Timeouts",
     "TrainSpec",
     "Trainer",

@@ -3,25 +3,34 @@
 Layout::
 
     <run>/config.json      what was run (topology, spec, policy, failures)
-    <run>/metrics.jsonl    one line per committed step (and per evaluation)
+    <run>/metrics.jsonl    one line per committed step (with its validation loss, if evaluated)
     <run>/events.jsonl     one line per failure and recovery
     <run>/summary.json     totals at the end
     <run>/loss.png         loss vs wall-clock time, failures and recoveries marked
+    <run>/tensorboard/     TensorBoard event files, with the tensorboard extra
+                           (recovery/callbacks/tensorboard.py; docs/metrics.md)
 
 Lines are appended and flushed as they happen, so a run killed half-way still leaves a
-readable record. `plot_loss` draws ``loss.png`` from the metrics and events records.
+readable record. They are not fsynced (one per step would cost more than the record is
+worth), so a power loss or a full disk can leave the last line torn: reading skips it with
+a warning, and the next append cuts it off first, so the files stay one JSON record per
+line (a torn line anywhere else is an error). `plot_loss` draws ``loss.png`` from the
+metrics and events records.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from recovery.names import Strategy
+
+log = logging.getLogger(__name__)
 
 
 def _json_default(obj: object) -> object:
@@ -79,17 +88,72 @@ class RunDir:
         return target
 
     def append(self, name: str, record: Mapping[str, Any]) -> None:
-        """Append one JSON line to ``name`` and flush it."""
+        """Append one JSON line to ``name`` and flush it (after cutting off a torn last
+        line: see the module docstring)."""
         self._create()
-        with self.file(name).open("a") as fh:
-            fh.write(dumps(record) + "\n")
+        with self.file(name).open("a+b") as fh:
+            _end_clean(fh, self.file(name))
+            fh.write((dumps(record) + "\n").encode())
 
     def read_lines(self, name: str) -> list[dict[str, Any]]:
-        """All JSON lines of ``name`` (empty if the file does not exist)."""
+        """All JSON lines of ``name`` (empty if the file does not exist); a torn last line
+        is skipped with a warning.
+
+        Raises:
+            ValueError: naming the file and the line, if a line before the last is not a
+                JSON record.
+        """
         target = self.file(name)
         if not target.exists():
             return []
-        return [json.loads(line) for line in target.read_text().splitlines() if line.strip()]
+        lines = [(n, line) for n, line in enumerate(target.read_text().splitlines(), 1)]
+        lines = [(n, line) for n, line in lines if line.strip()]
+        records = []
+        for i, (n, line) in enumerate(lines):
+            try:
+                record = json.loads(line)
+                if not isinstance(record, dict):
+                    raise ValueError(f"a {type(record).__name__}, not an object")
+            except ValueError as exc:
+                if i == len(lines) - 1:
+                    log.warning(
+                        "%s: skipping its torn last line %d (%s), left by a crash mid-write",
+                        target,
+                        n,
+                        exc,
+                    )
+                    break
+                raise ValueError(
+                    f"{target}: line {n} is not a JSON record ({exc}); only the last line can "
+                    "be torn by a crash, so the file was edited or damaged: fix or remove that line"
+                ) from None
+            records.append(record)
+        return records
+
+
+def _end_clean(fh: Any, path: Path) -> None:
+    """Make the file open in ``fh`` (binary, appending) end with a whole line: a last line
+    without its newline was cut short by a crash (`RunDir.append` writes each line with its
+    newline at once) and is cut off -- unless it is a whole record, which gets its newline."""
+    size = fh.seek(0, os.SEEK_END)
+    if size == 0:
+        return
+    fh.seek(size - 1)
+    if fh.read(1) == b"\n":
+        return
+    fh.seek(0)
+    data = fh.read()
+    start = data.rfind(b"\n") + 1
+    tail = data[start:]
+    try:
+        json.loads(tail)
+    except ValueError:
+        log.warning(
+            "%s: cutting off its torn last line (%d bytes) before appending", path, len(tail)
+        )
+        fh.truncate(start)
+    else:
+        fh.write(b"\n")
 
 
 def plot_loss(

@@ -3,110 +3,33 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
-
-import torch
-import xxhash
 
 from parallelism.checks import check_bool, check_choice, check_int
 from parallelism.comm import default_backend
 from parallelism.devices import BACKENDS, Backend, Device, check_device
 from parallelism.spec import TrainSpec
 from parallelism.topology import Topology
+from recovery.callbacks import (
+    Callback,
+    CallbackList,
+    TensorBoardLogger,
+    require_tensorboard,
+    tensorboard_installed,
+)
 from recovery.events import RecoveryEvent
 from recovery.faults import FailureSchedule
 from recovery.groups.resources import worker_ask
-from recovery.integrity.fingerprint import digest
 from recovery.names import FailureCause, Strategy, Tier
 from recovery.policy import RecoveryPolicy
 from recovery.rundir import RunDir, plot_loss
-from recovery.runtime import Controller, ControllerConfig, StepRecord
+from recovery.runtime import Controller, ControllerConfig, FitResult, StepRecord
 from recovery.worker import WorkerInfo
 
-
-@dataclass
-class FitResult:
-    """What `Trainer.fit` returns."""
-
-    losses: list[float]
-    """Training loss of every step, in step order. A step redone after a rollback counts
-    once, with the loss of its final run."""
-    metrics: list[dict[str, Any]]
-    """One record per committed step in the order they ran, redone steps included (loss,
-    time, step_s, tokens_per_s, grad norms...)."""
-    events: list[RecoveryEvent]
-    """Every failure and recovery, in order."""
-    wall_s: float
-    """Seconds from the first step to the last commit (startup excluded)."""
-    startup_s: float
-    """Seconds to start and set up the workers and form the first generation."""
-    run_dir: Path | None = None
-    timings: dict[str, list[float]] = field(default_factory=dict)
-    """Seconds training was blocked per kind of work: ``checkpoint_write`` (the restart
-    baseline), ``snapshot_write`` (peer tier), ``durable_write`` (starting async writes)."""
-    states: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict, repr=False)
-    mirrors: dict[str, float] = field(default_factory=dict)
-    """Embedding tables: what the shard mirrors cost per worker (bytes): the mirror's
-    memory, the shard's own size, and the update traffic per step."""
-
-    @property
-    def val_losses(self) -> list[tuple[int, float]]:
-        """(step, validation loss) at every evaluation."""
-        return [
-            (m["step"] + 1, m["val_loss"]) for m in self.metrics if m.get("val_loss") is not None
-        ]
-
-    @property
-    def steps_per_s(self) -> float:
-        return len(self.losses) / self.wall_s if self.wall_s > 0 else math.nan
-
-    def state(self, stage: int, replica: int) -> dict[str, torch.Tensor]:
-        """The final model state_dict of worker ``(stage, replica)``.
-
-        Raises:
-            KeyError: if states were not collected (``Trainer(collect_states=False)``).
-        """
-        return self.states[(stage, replica)]["model"]
-
-    def optimizer_state(self, stage: int, replica: int) -> dict[str, Any]:
-        """The final optimizer state_dict of worker ``(stage, replica)``."""
-        return self.states[(stage, replica)]["optimizer"]
-
-    def state_digest(self) -> str:
-        """A digest of every worker's whole final state (parameters, buffers, optimizer
-        state, progress): two runs ended bit-identical exactly when their digests are equal
-        (up to XXH3's 2^-64 per tensor) -- a run that recovered from failures, and the same
-        run without them, say.
-
-        Raises:
-            KeyError: if states were not collected (``Trainer(collect_states=False)``).
-        """
-        if not self.states:
-            raise KeyError("no final states: Trainer(collect_states=False)")
-        h = xxhash.xxh3_64()
-
-        def walk(obj: Any) -> None:
-            if isinstance(obj, torch.Tensor):
-                h.update(f"{obj.dtype}{tuple(obj.shape)}".encode())
-                h.update(digest(obj).encode())
-            elif isinstance(obj, dict):
-                for key in sorted(obj, key=str):
-                    h.update(repr(key).encode())
-                    walk(obj[key])
-            elif isinstance(obj, list | tuple):
-                for item in obj:
-                    walk(item)
-            else:
-                h.update(repr(obj).encode())
-
-        walk(self.states)
-        return h.hexdigest()
+__all__ = ["FitResult", "Trainer", "final_trajectory"]
 
 
 def _snapshot_dir(policy: RecoveryPolicy, run_dir: RunDir | None) -> str | None:
@@ -139,7 +62,8 @@ class Trainer:
             Gloo, staged through pinned host memory: several workers may then share one
             GPU (each asks Ray for a share of one, see recovery/groups/resources.py). See
             parallelism/devices.py.
-        run_dir: a folder for metrics, events, summary and plot (created); None: none.
+        run_dir: a folder for metrics, events, summary, plot and TensorBoard files
+            (created); None: none. See docs/metrics.md.
         progress: show a progress bar.
         eval_every: evaluate held-out loss every this many steps (0: never).
         eval_batches: held-out batches per evaluation.
@@ -152,10 +76,22 @@ class Trainer:
             within ``RecoveryPolicy.timeouts.replace`` ends the job with a
             ``PlacementFailed`` naming it. Placement is unchanged: replicas of a stage
             still go to different nodes.
+        callbacks: objects whose ``on_step(record)``, ``on_event(event)``,
+            ``on_fit_end(result)`` and ``on_fit_error(error)`` (any of them: see
+            `recovery.Callback`) the driver calls, in this order, as the job trains. One
+            that raises is logged, naming it, and training goes on.
+        tensorboard: TensorBoard event files in ``<run_dir>/tensorboard`` (a
+            `TensorBoardLogger`, called before ``callbacks``). None (default): when there
+            is a ``run_dir`` and the tensorboard package is installed (``pip install
+            'checkfree[tensorboard]'``), unless ``callbacks`` holds a `TensorBoardLogger`
+            already; True: always (an error without either); False: never.
 
     Raises:
         ValueError: for a bad argument (a choice not among the allowed values, naming them;
-            a flag that is not a bool); raised here, before anything starts.
+            a flag that is not a bool; a callback with none of the hooks;
+            ``tensorboard=True`` without a ``run_dir``); raised here, before anything
+            starts.
+        ImportError: for ``tensorboard=True`` without the tensorboard package.
     """
 
     def __init__(
@@ -174,6 +110,8 @@ class Trainer:
         threads_per_worker: int = 1,
         collect_states: bool = True,
         worker_resources: Mapping[str, float] | None = None,
+        callbacks: Sequence[Callback] = (),
+        tensorboard: bool | None = None,
     ) -> None:
         if not isinstance(spec, TrainSpec):
             raise ValueError(f"spec must be a TrainSpec, got {type(spec).__name__}")
@@ -191,6 +129,14 @@ class Trainer:
         check_int("threads_per_worker", threads_per_worker, minimum=1)
         check_bool("progress", progress)
         check_bool("collect_states", collect_states)
+        self.callbacks = CallbackList(callbacks)
+        if tensorboard is not None and not isinstance(tensorboard, bool):
+            raise ValueError(f"tensorboard must be None, True or False, got {tensorboard!r}")
+        if tensorboard and run_dir is None:
+            raise ValueError("tensorboard=True writes into the run folder: set run_dir too")
+        if tensorboard:
+            require_tensorboard()
+        self.tensorboard = tensorboard
         resources = worker_ask(worker_resources, chosen, device)
         policy = RecoveryPolicy() if policy is None else policy
         if not isinstance(policy, RecoveryPolicy):
@@ -239,6 +185,9 @@ class Trainer:
     def fit(self, steps: int) -> FitResult:
         """Train for ``steps`` committed steps and return losses, events and final states.
 
+        The callbacks see every step and recovery as it happens, then ``on_fit_end`` with
+        the result (or ``on_fit_error`` with what this raises).
+
         Raises:
             ValueError: for a bad spec/topology combination, before any worker starts.
             RecoveryError: if a failure could not be recovered.
@@ -246,6 +195,30 @@ class Trainer:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be a positive integer, got {steps!r}")
         self.failures.check(self.topology, steps)
+        callbacks = self._job_callbacks()
+        try:
+            result = self._fit(steps, callbacks)
+        except BaseException as exc:
+            callbacks.on_fit_error(exc)
+            raise
+        callbacks.on_fit_end(result)
+        return result
+
+    def _job_callbacks(self) -> CallbackList:
+        """The user's callbacks, after the run folder's TensorBoard logger if it has one."""
+        user = self.callbacks.callbacks
+        wanted = self.tensorboard
+        if wanted is None:
+            wanted = (
+                self.run_dir is not None
+                and tensorboard_installed()
+                and not any(isinstance(c, TensorBoardLogger) for c in user)
+            )
+        if not wanted or self.run_dir is None:
+            return self.callbacks
+        return CallbackList([TensorBoardLogger(self.run_dir.file("tensorboard")), *user])
+
+    def _fit(self, steps: int, callbacks: CallbackList) -> FitResult:
         bar = _ProgressBar(steps, enabled=self.progress)
         run_dir = self.run_dir
 
@@ -253,11 +226,13 @@ class Trainer:
             bar.update(record)
             if run_dir is not None:
                 run_dir.append("metrics.jsonl", record.to_dict())
+            callbacks.on_step(record)
 
         def on_event(event: RecoveryEvent) -> None:
             bar.note(f"recovered step {event.step} ({event.strategy}) in {event.seconds:.2f} s")
             if run_dir is not None:
                 run_dir.append("events.jsonl", event.to_dict())
+            callbacks.on_event(event)
 
         controller = Controller(
             self.spec,

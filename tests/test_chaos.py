@@ -212,7 +212,7 @@ SOAK = [
     "--kills", "100", "--mean-interval", "3", "--burst-prob", "0.3", "--seed", "0", "--steps", "600",
     "--durable-every", "5", "--hot-spares", "2",
 ]  # fmt: skip
-"""The soak of issue 12 (the README's command): at least 100 kills with bursts."""
+"""The soak of issue 12 (the command in docs/benchmarks.md): at least 100 kills with bursts."""
 
 
 @pytest.mark.slow
@@ -231,7 +231,7 @@ SOAK_ELASTIC = [
     "--elastic", "--kills", "100", "--mean-interval", "3", "--burst-prob", "0.3", "--seed", "0",
     "--steps", "600", "--durable-every", "5", "--hot-spares", "1",
 ]  # fmt: skip
-"""The elastic soak (the README's command): kills the one spare cannot cover shrink the job."""
+"""The elastic soak (the command in docs/benchmarks.md): kills the one spare cannot cover shrink the job."""
 
 
 @pytest.mark.slow
@@ -251,7 +251,7 @@ SOAK_NO_SPARES = [
     "--kills", "100", "--mean-interval", "3", "--burst-prob", "0.5", "--seed", "0", "--steps", "300",
     "--hot-spares", "0", "--durable-every", "0", "--keep-a-replica",
 ]  # fmt: skip
-"""Issue 31's soak (the README's command): no spare and no durable tier, half the kills in
+"""Issue 31's soak (the command in docs/benchmarks.md): no spare and no durable tier, half the kills in
 bursts, every replacement cold; the monkey never takes a stage's last live replica, so every
 job must survive -- a live worker is never thrown away -- and end bit-identical."""
 

@@ -41,6 +41,61 @@ def test_train_script_help_runs_from_the_checkout() -> None:
     assert "--stages" in done.stdout and "--failures" in done.stdout
 
 
+def test_no_failure_is_injected_unless_asked_for() -> None:
+    """Re-running a command to resume it must not kill workers on purpose: ``auto`` (the
+    demo's two kills) is asked for, not the default."""
+    from parallelism import Topology
+
+    train = _train_script()
+    assert train.parse_args([]).failures == "none"
+    assert len(train._failures("none", Topology(4, 2), 300)) == 0
+    assert len(train._failures("auto", Topology(4, 2), 300)) == 2
+
+
+class _Stop(Exception):
+    """Raised by a fake Trainer's fit: the test has what it wanted."""
+
+
+@pytest.mark.parametrize(
+    ("argv", "name", "shape"),
+    [
+        (["--preset", "tiny"], "llama-tiny", {"dim": 32, "n_layers": 4, "n_heads": 4, "max_seq_len": 32}),
+        ([], "llama-demo", {"dim": 128, "n_layers": 8, "n_heads": 4, "max_seq_len": 128}),
+        (["--preset", "tiny", "--dim", "64", "--seq-len", "64"], "llama-tiny",
+         {"dim": 64, "n_layers": 4, "n_heads": 4, "max_seq_len": 64}),
+    ],
+    ids=["tiny", "default", "tiny with overrides"],
+)  # fmt: skip
+def test_the_model_printed_is_the_model_trained(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
+    name: str,
+    shape: dict[str, int],
+) -> None:
+    train = _train_script()
+    specs = []
+
+    class Recording:
+        def __init__(self, spec: object, **kwargs: object) -> None:
+            specs.append(spec)
+
+        def fit(self, steps: int) -> None:
+            raise _Stop
+
+    monkeypatch.setattr(train, "Trainer", Recording)
+    with pytest.raises(_Stop):
+        train.main([*argv, "--no-progress", "--out", str(tmp_path / "run")])
+    (spec,) = specs
+    config = spec.build_stage.args[0]  # functools.partial(build_llama_stage, config)
+    assert {k: getattr(config, k) for k in shape} == shape
+    printed = capsys.readouterr().out
+    assert spec.name == name and f"checkfree: {name} " in printed
+    overridden = {k: v for k, v in shape.items() if f"'{k}': {v}" in printed}
+    assert ("--dim" in argv) == bool(overridden)  # what the preset does not say is printed
+
+
 def _check_run(out: Path) -> None:
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 6
@@ -53,7 +108,7 @@ def _check_run(out: Path) -> None:
 def test_train_script_on_embedded_local_ray(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The default run (``--failures auto``) kills two workers and recovers both exactly."""
+    """The demo run (``--failures auto``) kills two workers and recovers both exactly."""
     import torch
 
     from parallelism.spec import TrainSpec
@@ -69,7 +124,7 @@ def test_train_script_on_embedded_local_ray(
             super().__init__(spec, **kwargs)
 
     monkeypatch.setattr(train, "Trainer", Recording)
-    assert train.main([*TINY, "--out", str(tmp_path / "run")]) == 0
+    assert train.main([*TINY, "--failures", "auto", "--out", str(tmp_path / "run")]) == 0
     assert "validation loss" in capsys.readouterr().out
     _check_run(tmp_path / "run")
     # The kills that --help promises for 6 steps of 2 x 2 workers: stage 1 (the last one)

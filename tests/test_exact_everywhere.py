@@ -18,7 +18,7 @@ same job run without faults:
   ring's), every tensor within the chaos tool's relative tolerance, replicas equal.
 
 Every fault is checked to have fired where it was meant to. CI runs the examples below
-(derandomized); ``CHECKFREE_EXAMPLES=N`` runs N random ones (the README says how many a
+(derandomized); ``CHECKFREE_EXAMPLES=N`` runs N random ones (docs/testing.md says how many a
 longer run passed).
 """
 
@@ -155,7 +155,7 @@ def cases(draw: st.DrawFn) -> Case:
 def _flip_unwitnessed(faults: list[Kill | BitFlip | Death], top: Topology) -> bool:
     """A flip whose stage loses a mate before the next vote (every 2 steps) can leave the
     flipped replica as the stage's only source: the replacement is copied from it and nothing
-    is left to vote against (README, Silent data corruption: what it cannot detect)."""
+    is left to vote against (docs/silent-data-corruption.md: what it cannot detect)."""
     for flip in (f for f in faults if isinstance(f, BitFlip)):
         for fault in faults:
             kills = [fault.first] if isinstance(fault, Death) else [fault]

@@ -44,6 +44,8 @@ def test_poisson_is_deterministic_and_scales_with_rate() -> None:
         ("kill:step=99,stage=0", "outside a job of 30 steps"),
         ("poisson:rate=2", "must be a probability"),
         ("kill step=1", "unknown fault kind"),
+        ("kill:step=1,stage=0,step=5", "field 'step' given twice in 'kill:step=1,stage=0,step=5'"),
+        ("poisson:rate=0.1,rate=0.2", "field 'rate' given twice"),
     ],
 )
 def test_parse_rejects_bad_text(text: str, message: str) -> None:

@@ -36,6 +36,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("groups",),
     # the controller's phase machine over a worker group
     ("runtime",),
+    # what the driver calls as a job trains: user callbacks, TensorBoard
+    ("callbacks",),
     # the public entry point
     ("trainer",),
     # `from recovery import ...`

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -152,6 +153,21 @@ def test_driver_killed_mid_run_resumes_bit_identical(tmp_path: Path) -> None:
     assert len(resumed) == 1 and resumed[0]["tier"] == "durable"
     events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
     assert events[-1]["cause"] == "driver restarted"
+    if importlib.util.find_spec("tensorboard") is not None:
+        # TensorBoard: both drivers' files in one folder, one loss point per step, the last
+        # run's (see [Note: steps redone in TensorBoard]), and the resume as a recovery.
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        assert len(list((run / "tensorboard").glob("events.out.tfevents.*"))) == 2
+        board = EventAccumulator(str(run / "tensorboard"))
+        board.Reload()
+        loss = [(e.step, e.value) for e in board.Scalars("train/loss")]
+        assert [s for s, _ in loss] == list(range(steps))
+        assert [v for _, v in loss] == pytest.approx(reference.losses, rel=1e-6)
+        texts = [
+            e.tensor_proto.string_val[0].decode() for e in board.Tensors("recoveries/text_summary")
+        ]
+        assert any(text.startswith("**driver restarted**") for text in texts), texts
 
 
 def _flip_a_byte(path: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import pickle
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -419,6 +420,35 @@ def test_unpack_refuses_another_stage_before_changing_anything() -> None:
     assert_same(before, state_copy(other, other_opt))
     with pytest.raises(ValueError, match="uint8"):
         type(packed).from_parts(packed.header(), packed.data[:10])
+
+
+def test_a_peer_snapshot_always_records_its_digests_before_it_is_served(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fingerprints on or off, the own copy gets its digests on the exchange thread (off
+    the training thread); a reader -- a rollback, a send -- waits for them, even when the
+    exchange was given up meanwhile (a generation left at once)."""
+    from recovery.snapshots.packing import PackedState
+    from recovery.worker.keeper import SnapshotKeeper
+
+    real = PackedState.digested
+
+    def slow(self: PackedState) -> PackedState:
+        time.sleep(0.2)
+        return real(self)
+
+    monkeypatch.setattr(PackedState, "digested", slow)
+    module, optimizer = trained(0)
+    keeper = SnapshotKeeper()
+    keeper.take(2, ws(module, optimizer, 3), None, None, None)
+    assert keeper.peer.get(3, 2).digests is None  # not yet: the caller did not wait
+    keeper.join_exchange(timeout=0)  # given up, as leaving a generation may
+    own = keeper.held(3, 2)
+    assert own.digests is not None and own.corrupted() == ()
+    own.data[own.layout[0].offset] ^= 1
+    assert own.corrupted() == (own.layout[0].name,)
+    bare = pack_state(ws(module, optimizer, 3))
+    assert bare.digests is None and len(bare.corrupted()) == len(bare.layout)  # never trusted
 
 
 # -- peer tier: buddies -------------------------------------------------------------------

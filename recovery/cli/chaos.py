@@ -2,7 +2,7 @@
 wall-clock times, and the oracle at the end.
 
     checkfree chaos --kills 5                     # a short run (about a minute)
-    checkfree chaos --kills 100 --burst-prob 0.3  # the soak (see the README)
+    checkfree chaos --kills 100 --burst-prob 0.3  # the soak (see docs/benchmarks.md)
     checkfree chaos --kills 100 --hot-spares 0 --durable-every 0 --model bn-cnn
     checkfree chaos --seconds 600 --elastic --nodes 3   # nodes removed and added back too
 

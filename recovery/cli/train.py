@@ -1,7 +1,8 @@
 """Train a LLaMA-style model with pipeline x data parallelism on Ray, with failures injected
 (or a DLRM recommendation model with its embedding tables sharded over the workers).
 
-    checkfree train                        # the default demo: 4x2, two workers killed
+    checkfree train --failures auto        # the demo: 4x2, two workers killed
+    checkfree train                        # the same job, no failure injected
     checkfree train --zero1 --replicas 3   # ZeRO-1: optimizer shards mirrored on the ring
     checkfree train --model dlrm           # 4 workers, tables row-sharded, partial recovery
     checkfree train --stages 2 --replicas 2 --steps 50 --failures none
@@ -26,6 +27,7 @@ import time
 
 from parallelism import Topology
 from parallelism.workloads.dlrm import dlrm_spec
+from parallelism.workloads.llama import LlamaConfig, LlamaPreset
 from parallelism.workloads.llama_spec import llama_spec
 from recovery import Trainer
 from recovery.cli.help import HelpFormatter
@@ -76,22 +78,28 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--preset",
         default=None,
-        help="model size preset: tiny, small (~25M), medium (default tiny); "
+        help="model size preset: tiny (dim 32, 4 blocks, 32 tokens), demo (~1.7M: dim 128, "
+        "8 blocks, 128 tokens; the default), small (~25M), medium (~85M); "
         "dlrm: tiny or small (387,500 rows; the default)",
     )
     g.add_argument(
-        "--dim", type=int, default=128, help="model width (overrides the preset; 0 keeps it)"
+        "--dim", type=int, default=0, help="model width (overrides the preset; 0 keeps it)"
     )
     g.add_argument(
         "--layers",
         type=int,
-        default=8,
+        default=0,
         help="transformer blocks (overrides the preset; 0 keeps it)",
     )
     g.add_argument(
-        "--heads", type=int, default=4, help="attention heads (overrides the preset; 0 keeps it)"
+        "--heads", type=int, default=0, help="attention heads (overrides the preset; 0 keeps it)"
     )
-    g.add_argument("--seq-len", type=int, default=128, help="tokens per sample")
+    g.add_argument(
+        "--seq-len",
+        type=int,
+        default=0,
+        help="tokens per sample (0: the preset's context length; longer extends the context)",
+    )
     g.add_argument("--microbatches", type=int, default=4, help="microbatches per replica per step")
     g.add_argument("--microbatch-size", type=int, default=4, help="samples per microbatch")
     g.add_argument(
@@ -106,9 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("failures and recovery")
     g.add_argument(
         "--failures",
-        default="auto",
-        help="faults to inject: 'auto' (kill worker (1,0) a third of the way in, mid-pipeline, and "
-        "(2,1) two thirds in, during the all-reduce), 'none', or a list like "
+        default="none",
+        help="faults to inject: 'none' (the default), 'auto' (the demo: kill worker (1,0) a "
+        "third of the way in, mid-pipeline, and (2,1) two thirds in, during the all-reduce), "
+        "or a list like "
         "'kill:step=20,stage=1,replica=0[,at=mid_pipeline];hang:step=30,stage=2,replica=1;"
         "killnode:step=40,node=0;poisson:rate=0.002,seed=1'",
     )
@@ -122,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="when no warm spare is ready or there is no room for a replacement, train on "
         "without the lost workers (same global batch) and grow back once replacements are "
-        "ready (see README 'Elastic')",
+        "ready (see docs/elastic.md)",
     )
     g.add_argument(
         "--hang-timeout",
@@ -139,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="every K steps compare the replicas' state digests to find silent data "
         f"corruption (no K: {RECOMMENDED_FINGERPRINT_EVERY}, the recommended; 0: off, the "
-        "default; needs 2+ replicas; see README 'Silent data corruption')",
+        "default; needs 2+ replicas; see docs/silent-data-corruption.md)",
     )
     g.add_argument(
         "--approximate",
@@ -233,11 +242,13 @@ def main(argv: list[str] | None = None) -> int:
             )
             if value
         }
-        overrides["max_seq_len"] = max(args.seq_len, 1)
+        preset: LlamaPreset = args.preset or "demo"
+        if args.seq_len > LlamaConfig.preset(preset).max_seq_len:
+            overrides["max_seq_len"] = args.seq_len
         spec = llama_spec(
-            preset=args.preset or "tiny",
+            preset=preset,
             data=args.data,
-            seq_len=args.seq_len,
+            seq_len=args.seq_len or None,
             microbatch_size=args.microbatch_size,
             microbatches=args.microbatches,
             lr=args.lr,

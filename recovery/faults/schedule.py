@@ -237,7 +237,8 @@ class FailureSchedule:
         """Read the text form (see the module docstring).
 
         Raises:
-            ValueError: for an unknown fault kind or field, or a malformed value.
+            ValueError: for an unknown fault kind or field, a field given twice, or a
+                malformed value.
         """
         faults: list[Fault] = []
         for part in (p.strip() for p in text.split(";")):
@@ -249,6 +250,8 @@ class FailureSchedule:
                 key, eq, value = item.partition("=")
                 if not eq:
                     raise ValueError(f"malformed field {item!r} in {part!r}; expected key=value")
+                if key.strip() in fields:  # which one was meant? Not for us to guess
+                    raise ValueError(f"field {key.strip()!r} given twice in {part!r}")
                 fields[key.strip()] = value.strip()
             try:
                 if kind == "poisson":

@@ -43,7 +43,7 @@ RECOMMENDED_FINGERPRINT_EVERY = 100
 another (``train.py --fingerprint-every`` with no value). A check hashes about 3x the
 parameter bytes (parameters and AdamW moments) and exchanges one digest per tensor, so
 its cost per step is about 1/K of a checked step's extra time: at K=100 that is under 1%
-on the jobs `scripts/bench.py fingerprint` measures (README, 'Silent data corruption'),
+on the jobs `scripts/bench.py fingerprint` measures (docs/silent-data-corruption.md),
 and a flip is found within 100 steps. A smaller K finds a flip sooner and rolls back
 fewer steps; only at K=1 is a flip with a majority against it (3+ replicas) rebuilt
 without any rollback (see [Note: fingerprint vote] in recovery/integrity/fingerprint_vote.py).

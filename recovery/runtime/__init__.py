@@ -13,14 +13,17 @@
 - `executor`: a `RecoveryPlan` turned into transfers, one function per strategy.
 - `layouts`: what differs per kind of state (replicated stages, ZeRO-1, sharded tables).
 - `records`: step records, failures and the events they become.
+- `result`: `FitResult`, what a fit returns (losses, metrics, events, final states).
 """
 
 from recovery.runtime.controller import Controller, ControllerConfig, Phase
 from recovery.runtime.records import StepRecord
+from recovery.runtime.result import FitResult
 
 __all__ = [
     "Controller",
     "ControllerConfig",
+    "FitResult",
     "Phase",
     "StepRecord",
 ]

@@ -12,7 +12,11 @@ case. A hang is measured from a worker's last progress, not from the step's star
 any worker is silent it is asked every ``PROBE_EVERY`` (a quarter of ``timeouts.hang``,
 at most 5 s) how long ago it finished a schedule action, and only a worker idle for
 ``timeouts.hang`` counts -- so a long healthy step is never a hang, and a stuck one is
-found within ``timeouts.hang`` (plus one probe interval) of its last progress. Progress
+found within ``timeouts.hang`` (plus one probe interval) of its last progress. A worker
+whose control thread does not answer within `probe_patience` -- a quarter of
+``timeouts.hang``, at least 5 s -- is hung too (nothing in it runs), found a probe
+interval plus that patience after it fell silent; so under the default 120 s a C call
+that holds the GIL for 6 s in a long healthy step is not mistaken for a hang. Progress
 and ``waiting_on`` mean the same on a GPU: an action counts once its CUDA work has
 completed, and a wait queued on the GPU names its peer (``parallelism/progress.py``). A failure before the commit decision abandons the step everywhere; a worker that
 dies after it (while applying the step) leaves the step committed for everyone else, and
@@ -34,19 +38,28 @@ from recovery.runtime.records import Failure
 from recovery.worker import StageWorker, StepReport
 
 __all__ = [
-    "PROBE_TIMEOUT",
+    "PROBE_PATIENCE_FLOOR",
     "StepOutcome",
     "abort_pending",
     "await_step",
     "failure_of",
     "non_finite",
+    "probe_patience",
     "settle",
 ]
 
 log = logging.getLogger("checkfree")
 
-PROBE_TIMEOUT = timedelta(seconds=5)
-"""How long a silent worker's control thread has to say what it is doing."""
+PROBE_PATIENCE_FLOOR = timedelta(seconds=5)
+"""The least time a silent worker's control thread has to say what it is doing (the
+patience under a short hang timeout; `probe_patience`)."""
+
+
+def probe_patience(hang_timeout: timedelta | float) -> float:
+    """Seconds a silent worker's control thread has to answer a probe before the worker
+    counts as hung: a quarter of the hang timeout, at least `PROBE_PATIENCE_FLOOR` (a
+    probe that waits this long holds the controller's loop as long, hence not all of it)."""
+    return max(PROBE_PATIENCE_FLOOR.total_seconds(), seconds(hang_timeout) / 4)
 
 
 @dataclass
@@ -209,9 +222,9 @@ def _returned(group: WorkerGroup, call: Call) -> bool:
 def _find_hung(group: WorkerGroup, silent: list[int], hang_s: float) -> set[int]:
     """Among silent workers, those idle for ``hang_s`` and not blocked on a peer; all of the
     idle ones if each waits on another (none stands out); none while any progresses. A
-    worker whose control thread does not answer at all is hung."""
+    worker whose control thread does not answer within `probe_patience` is hung."""
     probes = {rank: group.submit(rank, StageWorker.probe) for rank in silent}
-    answers = group.gather(probes, PROBE_TIMEOUT)
+    answers = group.gather(probes, probe_patience(hang_s))
     idle = {rank for rank, a in answers.results.items() if a.get("idle_s", 0.0) >= hang_s}
     culprits = {rank for rank in idle if answers.results[rank].get("waiting_on") is None}
     if culprits or answers.lost:

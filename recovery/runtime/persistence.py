@@ -130,6 +130,15 @@ class Persistence:
         if not resume:
             return None
         for step in self.durable.steps():
+            # Whose snapshot it is comes first: another layout's or job's snapshot is not
+            # damaged, and must not read as if it were (nor be skipped for an older one).
+            try:
+                written_by = self.durable.load_meta(step)
+            except SnapshotCorrupted as exc:
+                log.warning("durable snapshot of step %d is not intact, skipping it: %s", step, exc)
+                continue
+            self._check_layout(step, written_by.get("topology"))
+            self.durable.check_meta(step, self.meta())
             problems = self.durable.verify(step, self.topology.world_size)
             if problems:
                 log.warning(
@@ -138,7 +147,6 @@ class Persistence:
                     "; ".join(problems),
                 )
                 continue
-            self.durable.check_meta(step, self.meta())
             try:
                 self._all(
                     StageWorker.durable_load,
@@ -160,10 +168,29 @@ class Persistence:
             return step
         if self.durable.steps():
             raise RecoveryError(
-                f"no intact durable snapshot in {self.snapshot_dir} (every complete one failed "
-                "its checksums, see the log); move the folder away to start from scratch"
+                f"no intact durable snapshot in {self.snapshot_dir}: every complete one has "
+                "missing, truncated or altered files (see the log above for each); restore the "
+                "folder from a copy, or move it away to start from scratch"
             )
         return None
+
+    def _check_layout(self, step: int, theirs: object) -> None:
+        """Refuse the durable snapshot of ``step`` if a job of another layout wrote it
+        (``theirs``: its ``[stages, replicas]``).
+
+        Raises:
+            ValueError: naming both layouts and what to do.
+        """
+        ours = [self.topology.stages, self.topology.replicas]
+        if theirs == ours or not (isinstance(theirs, list) and len(theirs) == 2):
+            return  # a malformed entry is check_meta's to report
+        raise ValueError(
+            f"the durable snapshot of step {step} in {self.snapshot_dir} was written by a job "
+            f"of {_layout(*theirs)}, and this job is {_layout(*ours)}: a snapshot holds one "
+            f"state per worker, so only the layout that wrote it can resume from it. Resume "
+            f"with Topology(stages={theirs[0]}, replicas={theirs[1]}), or start afresh with "
+            "another run folder (the snapshots are intact and were left as they are)"
+        )
 
     def _check_shared(self, root: str) -> None:
         """Refuse a durable folder some worker cannot see (several nodes, no shared file
@@ -239,11 +266,7 @@ class Persistence:
         if self.policy.snapshots.peer_every and self.topology.world_size > 1:
             hang = self.policy.timeouts.hang
             self._all(
-                StageWorker.take_snapshot,
-                "take the initial peer snapshots",
-                step,
-                True,
-                timeout=hang,
+                StageWorker.take_snapshot, "take the initial peer snapshots", step, timeout=hang
             )
 
     # -- after each commit ---------------------------------------------------------------
@@ -287,8 +310,8 @@ class Persistence:
             self._timed("checkpoint_write", start)
         if self._peer_due(step):
             start = time.perf_counter()
-            digests = bool(self.policy.fingerprint_every)  # see [Note: checked transfers]
-            self._all(StageWorker.take_snapshot, "take peer snapshots", step, digests, timeout=hang)
+            # Each copy records its digests, checked before a restore ([Note: checked transfers]).
+            self._all(StageWorker.take_snapshot, "take peer snapshots", step, timeout=hang)
             self._timed("snapshot_write", start)
         if self._durable_due(step):
             start = time.perf_counter()
@@ -301,3 +324,12 @@ class Persistence:
             )
             self._timed("durable_write", start)
             self.ledger.durable_writes.setdefault(step, set())
+
+
+def _layout(stages: int, replicas: int) -> str:
+    """``"2 stages x 1 replica (2 workers)"``."""
+
+    def count(n: int, what: str) -> str:
+        return f"{n} {what}{'' if n == 1 else 's'}"
+
+    return f"{count(stages, 'stage')} x {count(replicas, 'replica')} ({count(stages * replicas, 'worker')})"

@@ -4,11 +4,13 @@ What the peer tier keeps and sends: `pack_state` copies every tensor of the modu
 the optimizer's state dicts into one 64-byte-aligned uint8 buffer (a single send/recv, a
 single allocation that can be reused), `unpack_state` restores it bit for bit. The copy is
 taken before returning, so the optimizer update that follows cannot leak into it (see
-[Note: snapshot consistency] in ``recovery/snapshots/__init__.py``). With ``digests`` it
-also records the fingerprint it was taken with -- a digest of each slot's bytes
+[Note: snapshot consistency] in ``recovery/snapshots/__init__.py``). With ``digests`` (or
+`PackedState.digested` later, off the caller's thread) it also records the fingerprint it
+was taken with -- an XXH3 digest of each slot's bytes
 (`recovery.integrity.fingerprint.digest`) -- which travels in the header, so that a copy
 flipped in a holder's memory or on the way is found (`PackedState.corrupted`) before it
-is restored.
+is restored. Every peer snapshot records them, fingerprints on or off
+(`recovery.worker.keeper.SnapshotKeeper.take`): hashing costs little next to copying.
 """
 
 from __future__ import annotations
@@ -89,11 +91,22 @@ class PackedState:
         """Everything but ``data``, encoded for the wire: send it first, then ``data``."""
         return encode((self.meta, self.layout, self.digests))
 
+    def digested(self) -> PackedState:
+        """This state with the digest of each slot's bytes recorded (`corrupted` checks
+        them); ``self`` if they are recorded already. Waits for the packed bytes first."""
+        if self.digests is not None:
+            return self
+        self.wait()
+        data = self.data
+        recorded = tuple(digest(data[s.offset : s.offset + s.nbytes]) for s in self.layout)
+        return PackedState(self.meta, data, self.layout, recorded)
+
     def corrupted(self) -> tuple[str, ...]:
-        """The slots whose bytes no longer match the digests recorded when this state was
-        packed (empty: intact, or no digests recorded)."""
+        """The slots whose bytes are not shown intact: those that no longer match the
+        digests recorded when this state was packed -- or every slot if none were recorded
+        (a copy that cannot be checked is not trusted). Empty: intact."""
         if self.digests is None:
-            return ()
+            return tuple(slot.name for slot in self.layout) or ("<no digests recorded>",)
         self.wait()
         return tuple(
             slot.name
@@ -197,7 +210,8 @@ def pack_state(
             into fresh pages. Used when it is a 1-D uint8 tensor on ``device`` that is
             large enough, ignored otherwise. Nothing else may still read it.
         digests: record the digest of each tensor's packed bytes (`PackedState.corrupted`
-            checks them), at the cost of hashing the state once.
+            checks them), at the cost of hashing the state once, on this thread (after
+            waiting for a copy from a GPU); `PackedState.digested` does it later.
     """
     meta, found, names = state.describe()
     tensors = list(zip(names, found, strict=True))
@@ -233,11 +247,7 @@ def pack_state(
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(gpu))
     packed = PackedState(meta, data, tuple(layout), None, ready)
-    if not digests:
-        return packed
-    packed.wait()  # the digests read the bytes
-    recorded = tuple(digest(data[slot.offset : slot.offset + slot.nbytes]) for slot in layout)
-    return PackedState(meta, data, tuple(layout), recorded)
+    return packed.digested() if digests else packed
 
 
 def _gpu_to_host(

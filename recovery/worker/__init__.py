@@ -1,8 +1,9 @@
 """The worker: one pipeline stage of one replica, run as a Ray actor (or a thread in tests).
 
-The controller calls a worker's methods by name (``actor.<method>.remote(...)`` under
-Ray, ``getattr`` for thread workers), so every part below adds its methods to the one
-class `StageWorker`:
+The controller calls a worker's methods by the methods themselves
+(``group.submit(rank, StageWorker.commit, step)``; a group runs them as
+``actor.<name>.remote(...)`` under Ray, on a thread for thread workers), so every part
+below adds its methods to the one class `StageWorker`:
 
 - ``stage``: `StageWorker` itself -- the two-phase step ([Note: two-phase step] is here),
   the injected faults that strike inside it, and abandoning it for a recovery.

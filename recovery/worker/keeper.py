@@ -47,6 +47,9 @@ class SnapshotKeeper:
         self._lock = threading.Lock()
         self._round = 0
         """The current exchange's number: a copy arriving from an older one is dropped."""
+        self._digested = threading.Event()
+        """Set once the newest own copy's digests are recorded (or failed)."""
+        self._digested.set()
 
     def forget_peers(self) -> None:
         """Drop every peer copy (a worker set up afresh holds none)."""
@@ -93,38 +96,72 @@ class SnapshotKeeper:
         comm: StageComm | None,
         buddy: int | None,
         ward: int | None,
-        digests: bool = False,
     ) -> None:
         """Keep a packed copy of ``rank``'s state (at its step); swap copies with buddy and ward.
 
-        The copy is packed now (so the next step cannot leak into it); the swap runs on a
-        background thread over the side group, overlapped with training. ``digests``:
-        record the fingerprint it is taken with (`PackedState.corrupted` checks it).
+        The copy is packed now (so the next step cannot leak into it); its digests (always
+        recorded: `PackedState.corrupted` checks a copy before it is restored, see [Note:
+        checked transfers]) and the swap run on a background thread -- over the side
+        group -- overlapped with training, so that the caller waits for neither the hash
+        nor, on a GPU, the copy to host memory.
         """
         self.join_exchange()
-        packed = pack_state(state, digests=digests)
+        packed = pack_state(state)
         step = packed.step
         self.peer.put(step, rank, packed)
-        if comm is not None and buddy is not None and ward is not None and buddy != rank:
-            with self._lock:
-                self._round += 1
-                round_ = self._round
-            self._exchange = threading.Thread(
-                target=self._swap,
-                args=(comm, step, packed, buddy, ward, round_),
-                name="peer-snapshot",
-                daemon=True,
-            )
-            self._exchange.start()
+        swap = comm is not None and buddy is not None and ward is not None and buddy != rank
+        with self._lock:
+            self._round += 1
+            round_ = self._round
+        self._digested = digested = threading.Event()
+        self._exchange = threading.Thread(
+            target=self._digest_and_swap,
+            args=(comm if swap else None, step, rank, packed, buddy, ward, round_, digested),
+            name="peer-snapshot",
+            daemon=True,
+        )
+        self._exchange.start()
 
-    def _swap(
-        self, comm: StageComm, step: int, packed: PackedState, buddy: int, ward: int, round_: int
+    def held(self, step: int, rank: int, timeout: float = 60.0) -> PackedState:
+        """The copy of ``rank`` at ``step`` held here, once the newest own copy's digests
+        are recorded (waiting at most ``timeout`` seconds: a copy still without them is
+        not trusted, see `PackedState.corrupted`).
+
+        Raises:
+            KeyError: if it is not held here.
+        """
+        self._digested.wait(timeout)
+        return self.peer.get(step, rank)
+
+    def _digest_and_swap(
+        self,
+        comm: StageComm | None,
+        step: int,
+        rank: int,
+        packed: PackedState,
+        buddy: int | None,
+        ward: int | None,
+        round_: int,
+        digested: threading.Event,
     ) -> None:
-        header = torch.frombuffer(bytearray(packed.header()), dtype=torch.uint8)
-        sizes = torch.tensor([header.numel(), packed.nbytes], dtype=torch.int64)
+        """Record the own copy's digests (in its place), then, given a ``comm``, send it
+        to ``buddy`` and keep ``ward``'s."""
         try:
-            packed.wait()  # a copy from a GPU may still be in flight (this thread waits)
-            works = comm.side_isend([sizes, header, packed.data], buddy)
+            own = packed.digested()  # waits for a copy from a GPU, then hashes
+            with self._lock:  # the same bytes, now checkable -- if still held
+                if _holds(self.peer, step, rank, packed):
+                    self.peer.put(step, rank, own)
+        except Exception as exc:  # the copy stays without digests, so it is never trusted
+            log.warning("peer snapshot of step %d: its digests failed: %s", step, exc)
+            return
+        finally:
+            digested.set()
+        if comm is None or buddy is None or ward is None:
+            return
+        header = torch.frombuffer(bytearray(own.header()), dtype=torch.uint8)
+        sizes = torch.tensor([header.numel(), own.nbytes], dtype=torch.int64)
+        try:
+            works = comm.side_isend([sizes, header, own.data], buddy)
             theirs = _checked_sizes(comm.side_recv(torch.empty(2, dtype=torch.int64), ward), ward)
             their_header = comm.side_recv(torch.empty(int(theirs[0]), dtype=torch.uint8), ward)
             data = comm.side_recv(torch.empty(int(theirs[1]), dtype=torch.uint8), ward)
@@ -150,7 +187,7 @@ class SnapshotKeeper:
     def send(self, comm: StageComm, step: int, ward: int, dst: int) -> int:
         """Send the held copy of ``ward`` at ``step`` to ``dst`` over the main group.
         Returns bytes sent."""
-        packed = self.peer.get(step, ward).wait()
+        packed = self.held(step, ward).wait()
         header = torch.frombuffer(bytearray(packed.header()), dtype=torch.uint8)
         sizes = torch.tensor([header.numel(), packed.nbytes], dtype=torch.int64)
         for t in (sizes, header, packed.data):
@@ -187,6 +224,14 @@ class SnapshotKeeper:
         self._writes = {}
         self._durable = DurableStore(root)
         return self._durable.load(step, rank, state)
+
+
+def _holds(peer: PeerSnapshots, step: int, rank: int, packed: PackedState) -> bool:
+    """Whether ``peer`` still holds exactly ``packed`` as ``rank``'s copy at ``step``."""
+    try:
+        return peer.get(step, rank) is packed
+    except KeyError:
+        return False
 
 
 def _checked_sizes(sizes: torch.Tensor, src: int) -> torch.Tensor:

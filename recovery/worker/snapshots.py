@@ -49,30 +49,24 @@ class Snapshotting(WorkerLifecycle):
 
     # -- peer memory ---------------------------------------------------------------------
 
-    def take_snapshot(self, step: int, digests: bool = False) -> float:
+    def take_snapshot(self, step: int) -> float:
         """Keep a packed copy of this worker's state at ``step`` and send one to the buddy.
 
-        The copy is taken now (so the next step cannot leak into it); the exchange with
-        buddy and ward runs on a background thread over the side group, overlapped with
-        training. ``digests``: the copy records the fingerprint it was taken with, checked
-        before it is restored. Returns the seconds the caller was blocked.
+        The copy is taken now (so the next step cannot leak into it); its digests, checked
+        before it is restored, and the exchange with buddy and ward are taken on a
+        background thread, overlapped with training. Returns the seconds the caller was
+        blocked.
         """
         start = time.perf_counter()
         assert step == self.step, (step, self.step)
-        self.snapshots.take(
-            self.rank,
-            self.own_state(),
-            self.comm,
-            self.buddy,
-            self.ward,
-            digests=digests,
-        )
+        self.snapshots.take(self.rank, self.own_state(), self.comm, self.buddy, self.ward)
         return time.perf_counter() - start
 
     def restore_own(self, step: int) -> tuple[int, dict[int, list[str]]]:
         """Roll back to this worker's own peer snapshot of ``step``. Returns the step and
-        the tensors found corrupted (then nothing is restored: see `PackedState.corrupted`)."""
-        packed = self.snapshots.peer.get(step, self.rank)
+        the tensors found corrupted -- or not shown intact (then nothing is restored: see
+        `PackedState.corrupted`)."""
+        packed = self.snapshots.held(step, self.rank)
         bad = packed.corrupted()
         if bad:
             return self.step, {self.rank: list(bad)}
