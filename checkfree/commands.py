@@ -48,8 +48,8 @@ COMMANDS: tuple[Command, ...] = (
     Command(
         name="train",
         module="recovery.cli.train",
-        summary="train on Ray, workers killed and recovered (also: checkfree-train)",
-        example="checkfree train --stages 2 --replicas 2 --steps 50",
+        summary="train on Ray, workers killed (--failures) and recovered; also checkfree-train",
+        example="checkfree train --failures auto",
     ),
     Command(
         name="chaos",
