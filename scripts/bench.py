@@ -1,15 +1,18 @@
 """Benchmarks, measured side by side in one run and printed as tables.
 
-    python scripts/bench.py throughput     # framework overhead and pipeline bubbles
-    python scripts/bench.py recovery       # kill -> first committed step: replica_copy vs restart
-    python scripts/bench.py snapshots      # failure-free cost of peer and durable snapshots
-    python scripts/bench.py zero           # ZeRO-1 with mirrored shards vs unsharded AdamW
-    python scripts/bench.py fingerprint    # silent-corruption fingerprints at K = 1, 10, 50, 100 vs off
-    python scripts/bench.py peers          # 1x2 data-parallel job beside torchrun + DDP and torchft
-    python scripts/bench.py vote --old /work/base  # the commit vote: old full mesh vs tree, 8-64 workers
+    checkfree bench throughput     # framework overhead and pipeline bubbles
+    checkfree bench recovery       # kill -> first committed step: replica_copy vs restart
+    checkfree bench snapshots      # failure-free cost of peer and durable snapshots
+    checkfree bench zero           # ZeRO-1 with mirrored shards vs unsharded AdamW
+    checkfree bench fingerprint    # silent-corruption fingerprints at K = 1, 10, 50, 100 vs off
+    checkfree bench peers          # 1x2 data-parallel job beside torchrun + DDP and torchft
+    checkfree bench vote --old /work/base  # the commit vote: old full mesh vs tree, 8-64 workers
 
 Every figure is measured by this run on this machine; nothing is copied from elsewhere.
-Needs the package installed (``pip install -e .``).
+``checkfree bench BENCHMARK --help`` describes one benchmark and its flags.
+``checkfree bench`` runs this file, ``python scripts/bench.py``, from the checkout the
+package was installed from (``pip install -e .``): ``peers`` starts torchrun and torchft
+peers from scripts/peers.py, and ``vote`` loads another checkout's tree.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from parallelism import Topology
 from parallelism.schedule import theoretical_bubble
 from parallelism.workloads.llama_spec import llama_spec
 from recovery import Trainer, TrainSpec
+from recovery.cli.help import HelpFormatter
 from recovery.names import Mode, Strategy
 from recovery.reference import train_reference
 
@@ -872,19 +876,31 @@ extra divided by K and by the off run's median step."""
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="BENCHMARK")
+
+    def add(name: str, summary: str, doc: str | None, example: str) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name,
+            help=summary,
+            description=doc,
+            epilog=f"example:\n  checkfree bench {name} {example}".rstrip(),
+            formatter_class=HelpFormatter,
+        )
+
+    t = add(
+        "throughput", "framework overhead and pipeline bubbles", throughput.__doc__, "--steps 6"
     )
-    sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("throughput", help="framework overhead and pipeline bubbles")
-    sn = sub.add_parser("snapshots", help="failure-free cost of peer and durable snapshots")
+    sn = add("snapshots", "failure-free cost of peer and durable snapshots", snapshots.__doc__, "")
     sn.add_argument("--repeats", type=int, default=2, help="interleaved runs per configuration")
-    z = sub.add_parser("zero", help="ZeRO-1 with mirrored shards vs unsharded AdamW")
+    z = add("zero", "ZeRO-1 with mirrored shards vs unsharded AdamW", zero.__doc__, "--repeats 1")
     z.add_argument("--repeats", type=int, default=2, help="interleaved runs per configuration")
-    f = sub.add_parser(
+    f = add(
         "fingerprint",
-        help="per-step cost of silent-corruption fingerprints at K = 1, 10, 50 and the "
+        "per-step cost of silent-corruption fingerprints at K = 1, 10, 50 and the "
         "recommended K (100), measured, beside the amortised estimate",
+        fingerprint_cost.__doc__,
+        "--checks 1",
     )
     f.add_argument("--repeats", type=int, default=1, help="interleaved runs per configuration")
     f.add_argument(
@@ -913,10 +929,15 @@ def main(argv: list[str] | None = None) -> int:
             "--steps",
             type=int,
             default={t: 12, sn: 105, z: 25, f: 22}[q],
-            help="steps per measured run (default 12; snapshots: 105; zero: 25; fingerprint: 22,"
-            " longer at large K, see --checks)",
+            help="steps per measured run"
+            + (" (a run at a large K takes more, see --checks)" if q is f else ""),
         )
-    r = sub.add_parser("recovery", help="time from a kill to training again, per strategy")
+    r = add(
+        "recovery",
+        "time from a kill to training again, per strategy",
+        recovery.__doc__,
+        "--presets demo --calibration calibration.json",
+    )
     r.add_argument("--presets", default="small,medium", help="model presets, comma-separated")
     r.add_argument("--stages", type=int, default=4, help="pipeline stages")
     r.add_argument("--replicas", type=int, default=2, help="data-parallel replicas")
@@ -952,14 +973,19 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="write the measured costs (first preset) here, for the simulator",
     )
-    pe = sub.add_parser(
-        "peers", help="steady step and kill -> training again beside torchrun + DDP and torchft"
+    pe = add(
+        "peers",
+        "steady step and kill -> training again beside torchrun + DDP and torchft",
+        peers.__doc__,
+        "--sizes 10 --repeats 1",
     )
     peers.add_arguments(pe)
-    vo = sub.add_parser(
+    vo = add(
         "vote",
-        help="the commit vote's connections and per-exchange cost, old full mesh vs tree, "
+        "the commit vote's connections and per-exchange cost, old full mesh vs tree, "
         "at 8-64 workers, modelled to 16,384",
+        vote_scale.__doc__,
+        "--old ../old-checkout --sizes 8,16",
     )
     vote_scale.add_arguments(vo)
     args = p.parse_args(argv)

@@ -1,6 +1,7 @@
 """Two checkouts of checkfree side by side: is a change slower?
 
     python scripts/compare_trees.py --old ../old-checkout --new . --sizes 10,100 --repeats 3
+    checkfree compare-trees --old ../old-checkout --sizes 10 --repeats 1 --spares 1
 
 Runs `bench.py peers`' checkfree job (1 stage x 2 replicas, 4 x Linear(w, w) + ReLU, AdamW,
 replica 1 SIGKILLed mid-step: scripts/peers.py) from each tree in turn -- old, new, old,
@@ -8,7 +9,9 @@ new, ... so that the machine's faster and slower minutes fall on both alike -- e
 fresh process with that tree first on its path (its Ray workers inherit it), cold
 replacement and warm spare. Prints, per size and spare setting, the steady step and kill
 -> both training again of each tree (median, min-max) and the new tree's ratio to the
-old, then where the recovery's time went (its breakdown). Every figure is measured by this run, on this machine.
+old, then where the recovery's time went (its breakdown). Every figure is measured by this
+run, on this machine. It needs both checkouts and scripts/peers.py, so it stays a file of
+scripts/ (``checkfree compare-trees`` runs it from the checkout).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from recovery.cli.help import HelpFormatter
 
 _CHILD = """
 import json, os, sys, tempfile
@@ -68,11 +73,10 @@ def _fmt(values: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument(
+        "--old", type=Path, required=True, help="the checkout to compare against (required)"
     )
-    p.add_argument("--old", type=Path, required=True, help="the checkout to compare against")
     p.add_argument("--new", type=Path, default=Path("."), help="the checkout under test")
     p.add_argument("--sizes", default="10,100", help="parameter megabytes, comma-separated")
     p.add_argument("--repeats", type=int, default=3, help="runs per tree, size and spare setting")

@@ -1,6 +1,7 @@
 """The data-parallel step without the runtime: checkfree's `StageEngine` against DDP.
 
     python scripts/engine_vs_ddp.py [--size 10] [--steps 300] [--rounds 3] [--no-votes]
+    checkfree engine-vs-ddp --size 10 --rounds 1
 
 Two processes over Gloo on loopback, the workload of ``bench.py peers`` (4 x
 ``Linear(w, w)`` + ReLU, AdamW, batch 8, MSE, one torch thread each), failure-free: per
@@ -13,7 +14,9 @@ parallelism/commit_vote.py: `StageComm.exchange`) and as it was sent before, an 
 a Gloo group (``--no-votes`` leaves both out). Both keep their freed memory, as a
 checkfree worker does ([Note: a worker keeps its freed memory]). The two take turns,
 ``--rounds`` times; each prints rank 0's median step and CPU seconds per step (after 3
-warm-up steps), and the final weights' sum (the same for both: the same bits).
+warm-up steps), and the final weights' sum (the same for both: the same bits). It loads
+scripts/peers.py, so it stays a file of scripts/ (``checkfree engine-vs-ddp`` runs it from
+the checkout).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs without the install
 
+from recovery.cli.help import HelpFormatter
 from recovery.worker.memory import keep_freed_memory
 
 
@@ -138,8 +142,10 @@ def _run(mode: str, width: int, steps: int) -> tuple[float, float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", type=int, default=10, help="parameter MB: 10 or 100")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument(
+        "--size", type=int, default=10, choices=sorted(peers.WIDTHS), help="parameter MB"
+    )
     ap.add_argument("--steps", type=int, default=300, help="steps per run")
     ap.add_argument("--rounds", type=int, default=3, help="runs of each, taking turns")
     ap.add_argument(

@@ -10,7 +10,8 @@ of every worker's final state. Run it on two trees and compare:
     PYTHONPATH=/path/to/old/tree python /path/to/old/tree/../scripts/same_losses.py --out /tmp/before.json
     python scripts/same_losses.py --compare /tmp/before.json /tmp/after.json
 
-Only the public API is used, so the script runs unchanged against older trees.
+Only the public API is used, so the script runs unchanged against older trees; it stays a
+file of scripts/ for that reason (``checkfree same-losses`` runs it from the checkout).
 """
 
 from __future__ import annotations
@@ -145,14 +146,25 @@ def compare(before: dict[str, Any], after: dict[str, Any]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="write the measurements to this JSON file")
-    parser.add_argument("--only", nargs="*", help="run only these jobs")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", help="also write the measurements to this JSON file (default: print only)"
+    )
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        metavar="JOB",
+        help="run only these jobs (default: all: llama_2x2_replica_copy, mlp_3x1_checkfree, "
+        "mlp_2x2_peer_rollback, mlp_zero1_1x2_shard_mirror, dlrm_1x4_shard_mirror, "
+        "mlp_2x1_restart)",
+    )
     parser.add_argument(
         "--compare",
         nargs=2,
         metavar=("BEFORE", "AFTER"),
-        help="compare two outputs; exit 1 if they differ",
+        help="compare two outputs instead of measuring; exit 1 if they differ",
     )
     args = parser.parse_args(argv)
     if args.compare:

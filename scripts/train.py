@@ -1,6 +1,6 @@
 """Train with pipeline x data parallelism on Ray, with failures injected: `recovery.cli.train`.
 
-    python scripts/train.py --help      # the same program as the `checkfree-train` command
+    python scripts/train.py --help      # the same program as `checkfree train` (and `checkfree-train`)
 
 Needs the package installed (``pip install -e .``); under ``ray job submit --working-dir .``
 Ray puts the uploaded checkout on the path.

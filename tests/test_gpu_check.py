@@ -1,5 +1,6 @@
-"""scripts/gpu_check.py: the mode it picks for the GPUs it finds, on a machine without a
-GPU it says so and exits 0 (CI has none), its time budget, and what its checks run on."""
+"""`checkfree gpu-check` (recovery/cli/gpu_check.py; scripts/gpu_check.py runs it): the mode
+it picks for the GPUs it finds, on a machine without a GPU it says so and exits 0 (CI has
+none), its time budget, and what its checks run on."""
 
 from __future__ import annotations
 
@@ -14,13 +15,12 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def test_one_to_three_gpus_run_in_mode_5_and_four_over_nccl() -> None:
     """A 2x2 job over NCCL needs four GPUs (one rank per device); with fewer the checks run
     with Gloo communication and CUDA compute (mode 5) instead of being skipped."""
-    from gpu_check import choose_mode
+    from recovery.cli.gpu_check import choose_mode
 
     assert choose_mode(0) is None
     assert [choose_mode(n) for n in (1, 2, 3)] == [("gloo", "cuda")] * 3
@@ -60,7 +60,7 @@ def test_the_checks_pass_on_the_cpu() -> None:
 def test_checks_that_would_start_after_the_deadline_are_not_run() -> None:
     """The issue's time budget: once the deadline has passed, the remaining checks are
     listed as not run and never called; a check that raises is a failure, not the end."""
-    from gpu_check import NOT_RUN, run_checks
+    from recovery.cli.gpu_check import NOT_RUN, run_checks
 
     now = [0.0]
     called: list[str] = []
@@ -88,7 +88,7 @@ def test_checks_that_would_start_after_the_deadline_are_not_run() -> None:
 def test_the_single_process_run_is_on_the_jobs_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """The 2x2 job is compared with single-process training on the same device (CUDA in
     mode 5 and under NCCL), and the tolerance is printed."""
-    import gpu_check
+    from recovery.cli import gpu_check
 
     asked: dict[str, object] = {}
 
@@ -109,9 +109,8 @@ def test_the_bench_runs_about_100_MB_on_the_device_within_the_budget(
 ) -> None:
     """bench.py recovery runs the ~100 MB preset in the job's mode, and is cut off at the
     deadline (a timeout is a failed check, not a crash)."""
-    import gpu_check
-
     from parallelism.workloads.llama import LlamaConfig
+    from recovery.cli import gpu_check
 
     megabytes = LlamaConfig.preset(gpu_check.BENCH_PRESET).num_parameters() * 4 / 1e6
     assert 90 <= megabytes <= 110, megabytes
@@ -134,3 +133,15 @@ def test_the_bench_runs_about_100_MB_on_the_device_within_the_budget(
     assert 0 < timeout <= 30
     ok, detail = gpu_check.check_bench(("gloo", "cuda"), gpu_check.BENCH_PRESET, deadline)
     assert not ok and "time budget" in detail
+
+
+def test_without_a_checkout_the_bench_check_fails_saying_what_to_do(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Installed from a wheel there is no scripts/bench.py: the check fails, naming the way
+    out, instead of running a missing file."""
+    from recovery.cli import gpu_check
+
+    monkeypatch.setattr(gpu_check, "ROOT", tmp_path)
+    ok, detail = gpu_check.check_bench(("gloo", "cpu"), "tiny", gpu_check.time.monotonic() + 30)
+    assert not ok and "checkout" in detail and "--bench-preset none" in detail

@@ -1,18 +1,19 @@
 """Train a LLaMA-style model with pipeline x data parallelism on Ray, with failures injected
 (or a DLRM recommendation model with its embedding tables sharded over the workers).
 
-    python scripts/train.py --failures auto        # the demo: 4x2, two workers killed
-    python scripts/train.py                        # the same job, no failure injected
-    python scripts/train.py --zero1 --replicas 3   # ZeRO-1: optimizer shards mirrored on the ring
-    python scripts/train.py --model dlrm           # 4 workers, tables row-sharded, partial recovery
-    python scripts/train.py --stages 2 --replicas 2 --steps 50 --failures none
-    python scripts/train.py --failures "kill:step=20,stage=1,replica=0;poisson:rate=0.002"
-    python scripts/train.py --replicas 1 --approximate checkfree --failures kill:step=100,stage=2,replica=0
-    python scripts/train.py --durable-every 50 --out runs/long   # re-run the same line to resume
-    python scripts/train.py --replicas 3 --fingerprint-every      # silent-corruption vote, K=100
+    checkfree train --failures auto        # the demo: 4x2, two workers killed
+    checkfree train                        # the same job, no failure injected
+    checkfree train --zero1 --replicas 3   # ZeRO-1: optimizer shards mirrored on the ring
+    checkfree train --model dlrm           # 4 workers, tables row-sharded, partial recovery
+    checkfree train --stages 2 --replicas 2 --steps 50 --failures none
+    checkfree train --failures "kill:step=20,stage=1,replica=0;poisson:rate=0.002"
+    checkfree train --replicas 1 --approximate checkfree --failures kill:step=100,stage=2,replica=0
+    checkfree train --durable-every 50 --out runs/long   # re-run the same line to resume
+    checkfree train --replicas 3 --fingerprint-every      # silent-corruption vote, K=100
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- python scripts/train.py
 
-Installed, the same program is the ``checkfree-train`` command.
+The same program is the ``checkfree-train`` command, and ``python scripts/train.py`` in a
+checkout.
 
 Writes a run folder (``--out``) with metrics.jsonl, events.jsonl, summary.json, config.json
 and loss.png (failures and recoveries marked), and prints a table of recoveries at the end.
@@ -29,6 +30,7 @@ from parallelism.workloads.dlrm import dlrm_spec
 from parallelism.workloads.llama import LlamaConfig, LlamaPreset
 from parallelism.workloads.llama_spec import llama_spec
 from recovery import Trainer
+from recovery.cli.help import HelpFormatter
 from recovery.events import summary_table
 from recovery.faults import FailureSchedule, Kill, KillPoint
 from recovery.integrity.fingerprint import RECOMMENDED_FINGERPRINT_EVERY
@@ -44,10 +46,9 @@ from recovery.policy import (
 from recovery.rundir import RunDir
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def build_parser() -> argparse.ArgumentParser:
+    """The program's flags."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     g = p.add_argument_group("layout")
     g.add_argument(
         "--model",
@@ -213,7 +214,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     g.add_argument("--out", default=None, help="run folder (default runs/<time>-train)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
