@@ -19,7 +19,7 @@ Bottom layer first (tests/test_layers.py holds the order; nothing imports upward
 - ``runtime/``: the controller's phase machine over a worker group.
 - ``callbacks/``: `Callback`, user code called at each step and recovery; TensorBoard files.
 - ``trainer``: `Trainer` / `FitResult`, the public entry point.
-- ``cli/``: the programs (``checkfree train``, ``chaos``, ``gpu-check``; see `checkfree.commands`).
+- ``cli/``: the programs (``checkfree train``, ``chaos``, ``gpu-check``; dispatched by `simulations.cli.commands`).
 """
 
 from parallelism.datasets import batches_from_dataset

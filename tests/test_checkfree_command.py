@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from checkfree import COMMANDS, Command, main
-from checkfree import commands as dispatch
 from recovery.cli.help import HelpFormatter
+from simulations.cli import commands as dispatch
+from simulations.cli.commands import COMMANDS, Command, main
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py"))
@@ -90,10 +90,10 @@ def test_checkfree_help_loads_neither_torch_nor_ray() -> None:
     """The dispatcher imports a program only once it is chosen: ``checkfree --help`` stays
     quick (it is the first thing a new user types)."""
     code = (
-        "import sys, checkfree\n"
-        "try:\n    checkfree.main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "import sys\nfrom simulations.cli import commands\n"
+        "try:\n    commands.main(['--help'])\nexcept SystemExit:\n    pass\n"
         "heavy = sorted({m.split('.')[0] for m in sys.modules} & "
-        "{'torch', 'ray', 'numpy', 'recovery', 'parallelism', 'simulations'})\n"
+        "{'torch', 'ray', 'numpy', 'recovery', 'parallelism'})\n"
         "print('loaded:', heavy, file=sys.stderr)"
     )
     done = subprocess.run(
@@ -103,9 +103,9 @@ def test_checkfree_help_loads_neither_torch_nor_ray() -> None:
     assert "loaded: []" in done.stderr and "train" in done.stdout
 
 
-def test_python_dash_m_checkfree_is_the_command() -> None:
+def test_python_dash_m_simulations_cli_is_the_command() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "checkfree", "--help"],
+        [sys.executable, "-m", "simulations.cli", "--help"],
         capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=60,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -116,7 +116,7 @@ def test_the_installed_console_scripts() -> None:
     """pyproject declares both commands; where this environment has them installed (``pip
     install -e .``) they answer --help."""
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert '\ncheckfree = "checkfree.commands:main"\n' in pyproject
+    assert '\ncheckfree = "simulations.cli.commands:main"\n' in pyproject
     assert '\ncheckfree-train = "recovery.cli.train:main"\n' in pyproject
     installed = shutil.which("checkfree", path=str(Path(sys.executable).parent))
     if installed is None:

@@ -8,9 +8,8 @@
 - ``help``: `HelpFormatter`, the help layout every command shares.
 
 Each program's ``main(argv) -> int`` runs it and ``build_parser()`` holds its flags;
-``scripts/<name>.py`` is a thin wrapper that runs it from a checkout. The dispatcher is the
-``checkfree`` package (`checkfree.commands`), above every layer: it imports a program only
-once it is chosen, so ``checkfree --help`` loads neither torch nor Ray. The simulators'
+``scripts/<name>.py`` is a thin wrapper that runs it from a checkout. The dispatcher is
+`simulations.cli.commands`, in the top package: it imports a program only once it is chosen, so ``checkfree --help`` loads neither torch nor Ray. The simulators'
 programs are in ``simulations.cli``; the benchmarks stay in ``scripts/`` (they start peers
 from their own file and compare checkouts).
 """

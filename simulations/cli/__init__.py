@@ -1,5 +1,5 @@
 """The simulators' and experiments' command-line programs, installed as ``checkfree``
-subcommands (``checkfree.commands``); ``scripts/<name>.py`` runs each from a checkout.
+subcommands (`simulations.cli.commands`, the dispatcher); ``scripts/<name>.py`` runs each from a checkout.
 
 - ``simulate``: ``checkfree simulate``, cluster-scale goodput per recovery strategy.
 - ``experiment``: ``checkfree experiment``, an experiment matrix from a TOML file.

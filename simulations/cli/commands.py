@@ -126,7 +126,7 @@ _BY_NAME = {c.name: c for c in COMMANDS}
 def checkout() -> Path | None:
     """The checkout this package runs from (an editable install, or the working tree on
     ``sys.path``), or None when it was installed from a wheel and there is no ``scripts/``."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     if (root / "pyproject.toml").is_file() and (root / "scripts").is_dir():
         return root
     return None
@@ -217,7 +217,7 @@ def run(command: Command, argv: Sequence[str]) -> int:
     if root is None or not (root / command.script).is_file():
         print(
             f"checkfree {command.name}: runs {command.script} of a checkout of checkfree, and "
-            f"this installation ({Path(__file__).resolve().parents[1]}) has none. Clone the "
+            f"this installation ({Path(__file__).resolve().parents[2]}) has none. Clone the "
             f"repository and `pip install -e .` there, then run `checkfree {command.name}` or "
             f"`python {command.script}` in it.",
             file=sys.stderr,
