@@ -39,6 +39,7 @@ from parallelism.comm.wire import (
     ACTIVATION_HEADER_LEN,
     MAX_TUPLE,
     Activation,
+    ReceiveBudget,
     StagedWork,
     Waitable,
     empty_received,
@@ -332,13 +333,14 @@ class StageComm:
         tensors: list[torch.Tensor] = []
         count = 1
         first_size: int | None = None
+        budget = ReceiveBudget(self.device)  # one for the whole tuple
         while len(tensors) < count:
             empty = torch.empty(ACTIVATION_HEADER_LEN, dtype=torch.int64, device=self.wire)
             meta = self.recv(empty, src).tolist()
             shape, dtype, size, grad = unpack_activation_header(meta, first_size, src)
             first_size = size
             buffer = empty_received(
-                shape, dtype, self.device, f"an activation header from rank {src}"
+                shape, dtype, self.device, f"an activation header from rank {src}", budget
             )
             tensor = self.recv(buffer, src)
             tensors.append(tensor.requires_grad_(grad))
