@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 import threading
 import time
@@ -236,3 +237,12 @@ def test_a_group_formed_under_the_join_timeout_times_out_its_operations_after_th
     finally:
         for c in comms:
             c.close()
+
+
+def test_a_rendezvous_carries_a_fresh_secret_that_its_repr_hides() -> None:
+    """Each generation's workers share a secret the controller hands them with the
+    rendezvous (through Ray, never the store: [Note: the vote's handshake])."""
+    one, two = Rendezvous("127.0.0.1", 1, "gen1", 20), Rendezvous("127.0.0.1", 1, "gen2", 20)
+    assert len(one.secret) == 32 and one.secret != two.secret
+    assert one.secret.hex() not in repr(one) and "secret" not in repr(one)
+    assert pickle.loads(pickle.dumps(one)) == one  # as Ray hands it over

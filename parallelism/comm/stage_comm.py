@@ -180,6 +180,7 @@ class StageComm:
                 bind_host,
                 timeout,
                 cancel,
+                secret=rendezvous.secret,
             )
         except BaseException:
             self.close()
