@@ -87,6 +87,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from parallelism.errors import CommError
+
 if TYPE_CHECKING:
     import torch.distributed as dist
 
@@ -148,7 +150,7 @@ def _subtree_size(index: int, size: int, fanout: int) -> int:
     return count
 
 
-class _Relayed(ConnectionError):
+class _Relayed(CommError):
     """A neighbour's ``FAIL``: the failure it saw or was told of."""
 
     def __init__(self, origin: int, reason: str, via: int) -> None:
@@ -175,7 +177,7 @@ class CommitVote:
     Raises:
         ValueError: if ``index`` is outside the generation, ``fanout`` is below 1 or the
             secret is shorter than 16 bytes.
-        ConnectionError: if a peer does not connect within ``timeout``, the parent cannot
+        CommError: if a peer does not connect within ``timeout``, the parent cannot
             prove it holds the secret, or ``cancel`` is set meanwhile (a communication
             error: a peer died or the generation was given up).
     """
@@ -231,7 +233,7 @@ class CommitVote:
 
         Raises:
             ValueError: if ``row`` is longer than 65,536 floats.
-            ConnectionError: a peer died or this vote was shut down, the table did not
+            CommError: a peer died or this vote was shut down, the table did not
                 arrive within ``timeout``, a peer sent a message that is not this
                 exchange's, or an earlier exchange failed (a communication error, in
                 every case). See [Note: the vote's own connections].
@@ -239,9 +241,9 @@ class CommitVote:
         if len(row) > _MAX_ROW:
             raise ValueError(f"a row of {len(row)} floats is longer than {_MAX_ROW}")
         if self._cut:
-            raise ConnectionError("commit vote: connection closed (this worker was torn down)")
+            raise CommError("commit vote: connection closed (this worker was torn down)")
         if self._broken is not None:
-            raise ConnectionError(f"commit vote: connection failed earlier ({self._broken})")
+            raise CommError(f"commit vote: connection failed earlier ({self._broken})")
         number, width = self._count, len(row)
         self._count += 1
         mine = struct.pack(f"<{width}d", *row)
@@ -345,19 +347,19 @@ class CommitVote:
         """(kind, body bytes, rows or origin) of a header from ``peer``.
 
         Raises:
-            ConnectionError: if it is not the message this exchange expects from ``peer``.
+            CommError: if it is not the message this exchange expects from ``peer``.
         """
         their_number, kind, a, b = _HEADER.unpack(header)
         if kind == _FAIL and 0 <= a < self.size and b <= _MAX_REASON:
             return kind, b, a  # a failure, whichever exchange it was seen in
         if peer not in expect:
-            raise ConnectionError(
+            raise CommError(
                 f"commit vote: index {peer} sent a message (kind {kind}, exchange "
                 f"{their_number}) while none was due from it (a garbled connection)"
             )
         want_kind, rows = expect[peer]
         if (their_number, kind, a, b) != (number, want_kind, width, rows):
-            raise ConnectionError(
+            raise CommError(
                 f"commit vote: index {peer} sent message {kind} of exchange {their_number} "
                 f"({b} rows of {a} floats), expected exchange {number} of {rows} rows of "
                 f"{width} floats (a garbled connection)"
@@ -380,7 +382,7 @@ class CommitVote:
         """The root's table: every row, by index.
 
         Raises:
-            ConnectionError: if the children's indices are not every other worker's once.
+            CommError: if the children's indices are not every other worker's once.
         """
         rows: list[bytes | None] = [None] * self.size
         rows[self.index] = mine
@@ -389,7 +391,7 @@ class CommitVote:
             body, count = ups[child], self._subtree[child]
             for k, i in enumerate(struct.unpack_from(f"<{count}I", body)):
                 if not 0 <= i < self.size or rows[i] is not None:
-                    raise ConnectionError(
+                    raise CommError(
                         f"commit vote: index {child} sent a row for index {i} "
                         "(out of range or twice: a garbled connection)"
                     )
@@ -422,16 +424,16 @@ class CommitVote:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
 
-    def _lost(self, peer: int, exc: OSError | None) -> ConnectionError:
+    def _lost(self, peer: int, exc: OSError | None) -> CommError:
         why = "this worker was torn down" if self._cut else f"{exc or 'end of stream'}"
-        return ConnectionError(f"commit vote: connection to index {peer} closed ({why})")
+        return CommError(f"commit vote: connection to index {peer} closed ({why})")
 
-    def _timed_out(self, timeout: datetime.timedelta, missing: list[int]) -> ConnectionError:
+    def _timed_out(self, timeout: datetime.timedelta, missing: list[int]) -> CommError:
         if missing == [self.parent]:
             what = f"the table from index {self.parent}"
         else:
             what = f"the rows of indices {missing} (each with its subtree's)"
-        return ConnectionError(
+        return CommError(
             f"commit vote: timed out after {timeout.total_seconds():.1f} s waiting for {what}"
         )
 
@@ -477,18 +479,16 @@ class CommitVote:
             challenge = _recv_exactly(sock, _CHALLENGE.size, deadline, cancel)
             answer, theirs, proof = _CHALLENGE.unpack(challenge)
             if answer != parent:
-                raise ConnectionError(
-                    f"commit vote: index {parent}'s address answered as index {answer}"
-                )
+                raise CommError(f"commit vote: index {parent}'s address answered as index {answer}")
             nonces = ours + theirs
             if not hmac.compare_digest(proof, self._proof(b"parent", parent, self.index, nonces)):
-                raise ConnectionError(
+                raise CommError(
                     f"commit vote: index {parent}'s address did not prove it holds this "
                     "generation's secret (a stranger, or a worker of another generation)"
                 )
             sock.sendall(_PROOF.pack(self._proof(b"child", parent, self.index, nonces)))
             if _recv_exactly(sock, len(_ACK), deadline, cancel) != _ACK:
-                raise ConnectionError(f"commit vote: index {parent} did not take this worker")
+                raise CommError(f"commit vote: index {parent} did not take this worker")
         except BaseException:
             sock.close()
             raise
@@ -621,14 +621,14 @@ def _send_all_now(sock: socket.socket, data: bytes) -> None:
         OSError: if it could not be sent whole.
     """
     if sock.send(data) != len(data):
-        raise ConnectionError("commit vote: a handshake message did not fit the socket")
+        raise CommError("commit vote: a handshake message did not fit the socket")
 
 
 def _check(deadline: float, cancel: threading.Event, what: str) -> None:
     if cancel.is_set():
-        raise ConnectionError(f"commit vote: formation abandoned while waiting for {what}")
+        raise CommError(f"commit vote: formation abandoned while waiting for {what}")
     if time.monotonic() > deadline:
-        raise ConnectionError(f"commit vote: connection timed out waiting for {what}")
+        raise CommError(f"commit vote: connection timed out waiting for {what}")
 
 
 def _recv_exactly(sock: socket.socket, n: int, deadline: float, cancel: threading.Event) -> bytes:
@@ -642,6 +642,6 @@ def _recv_exactly(sock: socket.socket, n: int, deadline: float, cancel: threadin
             _check(deadline, cancel, "a peer's handshake")
             continue
         if not chunk:
-            raise ConnectionError("commit vote: connection closed during the handshake")
+            raise CommError("commit vote: connection closed during the handshake")
         data += chunk
     return data

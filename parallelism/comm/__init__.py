@@ -8,7 +8,10 @@
   on teardown ([Note: tearing down on failure]).
 - `parallelism.comm.rendezvous`: the controller's store and where a generation meets.
 - `parallelism.comm.wire`: tensors staged between the compute device and the wire, and
-  the activation header; `GarbledMessage`.
+  the activation header; `GarbledMessage`, `ReceiveBudget`, `empty_received`.
+
+`CommError` (from `parallelism.errors`) is what every call here that talks to peers
+raises when that fails.
 """
 
 from parallelism.comm.groups import (
@@ -36,11 +39,13 @@ from parallelism.comm.wire import (
     to_wire,
     wire_buffer,
 )
+from parallelism.errors import CommError
 
 __all__ = [
     "BACKENDS",
     "NCCL_ENV",
     "Activation",
+    "CommError",
     "GarbledMessage",
     "NcclSettings",
     "ReceiveBudget",

@@ -31,8 +31,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from parallelism.errors import CommError
 
-class GarbledMessage(ConnectionError):
+
+class GarbledMessage(CommError):
     """Bytes from a peer that are not a message this runtime sends: a header out of bounds
     or that does not decode (what a receive buffer holds after the sender aborted
     mid-message, or what a stranger sends). A communication error, like a lost peer."""
