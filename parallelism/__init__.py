@@ -9,6 +9,7 @@
 - ``seeding``: counter-based seeds, a worker's random streams.
 - ``comm/``: `StageComm`, one worker's process groups for one generation.
 - ``commit_vote``: `CommitVote`, the per-step vote over a tree of TCP links.
+- ``errors``: `CommError`, a failure to talk to peers, marked where it arises.
 - ``devices``: the compute device and the backend's wire device.
 - ``progress``: a worker's progress as a GPU sees it (for hang detection).
 - ``zero``: ZeRO-1, optimizer state sharded over the stage group.

@@ -46,20 +46,48 @@ docs/DESIGN.md ("The control plane at scale"; ``python scripts/bench.py vote``).
 reduction (all ready, the loss sum and count, one norm per stage) would send ``O(stages)``
 bytes down instead of the table, but changes `StepReport.votes` and the loss's summation
 order.
+
+[Note: the vote's handshake]
+The store is not authenticated -- whoever reaches its port reads and writes it -- so a
+parent publishes its address there and nothing else, and the two ends of a connection
+prove to each other that they hold the generation's *secret*, which the controller hands
+every worker through Ray with the rendezvous (`parallelism.comm.Rendezvous.secret`),
+never through the store. A child connects and says ``(its index, a fresh nonce)``; the
+parent answers ``(its index, a fresh nonce, its proof)``; the child checks that proof and
+answers with its own; the parent checks it and acknowledges (one byte). A proof is
+HMAC-SHA256 over the secret of ``"checkfree-vote parent"`` or ``"checkfree-vote child"``,
+both indices and both nonces: fresh nonces on both sides make a recorded proof useless
+on another connection, the role in it makes the parent's useless as a child's, and the
+indices make it useless for another pair. Proofs are compared with
+``hmac.compare_digest``. A stranger, or a stale worker of another generation whose
+peer's port the listener reused, is turned away; a child that finds a parent unable to
+prove itself (an address written into the store by someone else) gives up formation
+with a communication error.
+
+A parent takes its children's connections on one thread but not one after another: it
+accepts whatever arrives and reads every pending handshake as its bytes come (a
+selector), each with a deadline of `_HELLO_S` from its accept, at most `_MAX_PENDING` of
+them at once (a newer connection drops the oldest). A stranger that connects and stays
+silent therefore delays nobody, and a flood of them neither grows without bound nor
+keeps a child out.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
+import hmac
 import secrets
 import selectors
 import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
+
+from parallelism.errors import CommError
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -69,11 +97,17 @@ __all__ = ["FANOUT", "CommitVote", "tree_depth"]
 FANOUT = 16
 """Children a worker has at most: the tree's fan-out."""
 
-_TOKEN_BYTES = 16
-_HELLO = struct.Struct(f"<I{_TOKEN_BYTES}s")
-"""What a connecting child sends first: its index and the token its parent published."""
-_ACK = struct.Struct("<I")
-"""The parent's answer to a hello it takes: its own index."""
+_NONCE_BYTES = 16
+_PROOF = struct.Struct("<32s")
+"""A proof of the secret: an HMAC-SHA256 (see [Note: the vote's handshake])."""
+_HELLO = struct.Struct(f"<I{_NONCE_BYTES}s")
+"""What a connecting child sends first: its index and its nonce."""
+_CHALLENGE = struct.Struct(f"<I{_NONCE_BYTES}s32s")
+"""The parent's answer to a hello: its own index, its nonce and its proof."""
+_ACK = b"\x01"
+"""The parent's last word to a child whose proof it took."""
+_MIN_SECRET = 16
+"""The fewest bytes a generation's secret may have."""
 _HEADER = struct.Struct("<QBII")
 """A message's header: the exchange's number, its kind, then for ``_UP`` and ``_DOWN`` the
 row's width and the number of rows, for ``_FAIL`` the index that saw the failure and the
@@ -85,7 +119,9 @@ _MAX_REASON = 4096
 _POLL_S = 0.05
 """How often a formation waiting on a peer looks at ``cancel`` and its deadline."""
 _HELLO_S = 2.0
-"""How long an accepted connection has to say which peer it is."""
+"""How long an accepted connection has to complete its handshake."""
+_MAX_PENDING = 4 * FANOUT
+"""Handshakes a parent reads at once (a newer connection drops the oldest)."""
 
 
 def tree_depth(size: int, fanout: int = FANOUT) -> int:
@@ -114,7 +150,7 @@ def _subtree_size(index: int, size: int, fanout: int) -> int:
     return count
 
 
-class _Relayed(ConnectionError):
+class _Relayed(CommError):
     """A neighbour's ``FAIL``: the failure it saw or was told of."""
 
     def __init__(self, origin: int, reason: str, via: int) -> None:
@@ -128,6 +164,9 @@ class CommitVote:
 
     Args:
         store: the generation's store (a worker with children publishes its address there).
+        secret: the generation's secret, the same for every worker of it, handed to each
+            by the controller and never through the store (see [Note: the vote's
+            handshake]); at least 16 bytes.
         index: this worker's index in the generation, ``0 <= index < size``.
         size: the generation's number of workers.
         bind_host: the address to listen on (this worker's node's IP).
@@ -136,9 +175,11 @@ class CommitVote:
         fanout: children a worker has at most (every worker of a generation must agree).
 
     Raises:
-        ValueError: if ``index`` is outside the generation or ``fanout`` is below 1.
-        ConnectionError: if a peer does not connect within ``timeout``, or ``cancel`` is
-            set meanwhile (a communication error: a peer died or the generation was given up).
+        ValueError: if ``index`` is outside the generation, ``fanout`` is below 1 or the
+            secret is shorter than 16 bytes.
+        CommError: if a peer does not connect within ``timeout``, the parent cannot
+            prove it holds the secret, or ``cancel`` is set meanwhile (a communication
+            error: a peer died or the generation was given up).
     """
 
     def __init__(
@@ -150,12 +191,16 @@ class CommitVote:
         timeout: datetime.timedelta,
         cancel: threading.Event | None = None,
         *,
+        secret: bytes,
         fanout: int = FANOUT,
     ) -> None:
         if not 0 <= index < size:
             raise ValueError(f"index {index} is not in a generation of {size}")
         if fanout < 1:
             raise ValueError(f"fanout must be at least 1, got {fanout}")
+        if len(secret) < _MIN_SECRET:
+            raise ValueError(f"a vote's secret has at least {_MIN_SECRET} bytes, got {len(secret)}")
+        self._secret = bytes(secret)
         self.index = index
         self.size = size
         self.parent = (index - 1) // fanout if index else None
@@ -188,7 +233,7 @@ class CommitVote:
 
         Raises:
             ValueError: if ``row`` is longer than 65,536 floats.
-            ConnectionError: a peer died or this vote was shut down, the table did not
+            CommError: a peer died or this vote was shut down, the table did not
                 arrive within ``timeout``, a peer sent a message that is not this
                 exchange's, or an earlier exchange failed (a communication error, in
                 every case). See [Note: the vote's own connections].
@@ -196,9 +241,9 @@ class CommitVote:
         if len(row) > _MAX_ROW:
             raise ValueError(f"a row of {len(row)} floats is longer than {_MAX_ROW}")
         if self._cut:
-            raise ConnectionError("commit vote: connection closed (this worker was torn down)")
+            raise CommError("commit vote: connection closed (this worker was torn down)")
         if self._broken is not None:
-            raise ConnectionError(f"commit vote: connection failed earlier ({self._broken})")
+            raise CommError(f"commit vote: connection failed earlier ({self._broken})")
         number, width = self._count, len(row)
         self._count += 1
         mine = struct.pack(f"<{width}d", *row)
@@ -302,19 +347,19 @@ class CommitVote:
         """(kind, body bytes, rows or origin) of a header from ``peer``.
 
         Raises:
-            ConnectionError: if it is not the message this exchange expects from ``peer``.
+            CommError: if it is not the message this exchange expects from ``peer``.
         """
         their_number, kind, a, b = _HEADER.unpack(header)
         if kind == _FAIL and 0 <= a < self.size and b <= _MAX_REASON:
             return kind, b, a  # a failure, whichever exchange it was seen in
         if peer not in expect:
-            raise ConnectionError(
+            raise CommError(
                 f"commit vote: index {peer} sent a message (kind {kind}, exchange "
                 f"{their_number}) while none was due from it (a garbled connection)"
             )
         want_kind, rows = expect[peer]
         if (their_number, kind, a, b) != (number, want_kind, width, rows):
-            raise ConnectionError(
+            raise CommError(
                 f"commit vote: index {peer} sent message {kind} of exchange {their_number} "
                 f"({b} rows of {a} floats), expected exchange {number} of {rows} rows of "
                 f"{width} floats (a garbled connection)"
@@ -337,7 +382,7 @@ class CommitVote:
         """The root's table: every row, by index.
 
         Raises:
-            ConnectionError: if the children's indices are not every other worker's once.
+            CommError: if the children's indices are not every other worker's once.
         """
         rows: list[bytes | None] = [None] * self.size
         rows[self.index] = mine
@@ -346,7 +391,7 @@ class CommitVote:
             body, count = ups[child], self._subtree[child]
             for k, i in enumerate(struct.unpack_from(f"<{count}I", body)):
                 if not 0 <= i < self.size or rows[i] is not None:
-                    raise ConnectionError(
+                    raise CommError(
                         f"commit vote: index {child} sent a row for index {i} "
                         "(out of range or twice: a garbled connection)"
                     )
@@ -379,16 +424,16 @@ class CommitVote:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
 
-    def _lost(self, peer: int, exc: OSError | None) -> ConnectionError:
+    def _lost(self, peer: int, exc: OSError | None) -> CommError:
         why = "this worker was torn down" if self._cut else f"{exc or 'end of stream'}"
-        return ConnectionError(f"commit vote: connection to index {peer} closed ({why})")
+        return CommError(f"commit vote: connection to index {peer} closed ({why})")
 
-    def _timed_out(self, timeout: datetime.timedelta, missing: list[int]) -> ConnectionError:
+    def _timed_out(self, timeout: datetime.timedelta, missing: list[int]) -> CommError:
         if missing == [self.parent]:
             what = f"the table from index {self.parent}"
         else:
             what = f"the rows of indices {missing} (each with its subtree's)"
-        return ConnectionError(
+        return CommError(
             f"commit vote: timed out after {timeout.total_seconds():.1f} s waiting for {what}"
         )
 
@@ -397,25 +442,27 @@ class CommitVote:
     def _form(
         self, store: dist.Store, bind_host: str, deadline: float, cancel: threading.Event
     ) -> None:
-        """Connect to the parent, then accept the children. A connection says whom it is
-        from and names the listener's token, and the listener answers with its index: a
-        stale worker of another generation that reaches a reused port, or a stranger, is
-        turned away instead of being taken for a child."""
+        """Connect to the parent, then accept the children; each connection proves both
+        ends hold the generation's secret (see [Note: the vote's handshake])."""
         listener = None
         if self.children:
             listener = socket.create_server((bind_host, 0), backlog=64)
         try:
-            token = secrets.token_bytes(_TOKEN_BYTES)
             if listener is not None:
                 host, port = listener.getsockname()[:2]
-                store.set(f"vote/{self.index}", f"{host} {port} {token.hex()}")
+                store.set(f"vote/{self.index}", f"{host} {port}")
             if self.parent is not None:
                 self._connect(store, self.parent, deadline, cancel)
             if listener is not None:
-                self._accept(listener, token, deadline, cancel)
+                self._accept(listener, deadline, cancel)
         finally:
             if listener is not None:
                 listener.close()
+
+    def _proof(self, role: bytes, parent: int, child: int, nonces: bytes) -> bytes:
+        """The ``role``'s proof for the connection of ``parent`` and ``child``."""
+        message = b"checkfree-vote " + role + struct.pack("<II", parent, child) + nonces
+        return hmac.new(self._secret, message, hashlib.sha256).digest()
 
     def _connect(
         self, store: dist.Store, parent: int, deadline: float, cancel: threading.Event
@@ -424,43 +471,127 @@ class CommitVote:
         while not store.check([key]):
             _check(deadline, cancel, f"index {parent} to publish its address")
             time.sleep(0.001)
-        host, port, theirs = store.get(key).decode().split()
+        host, port = store.get(key).decode().split()[:2]
         sock = socket.create_connection((host, int(port)), timeout=_HELLO_S)
         try:
-            sock.sendall(_HELLO.pack(self.index, bytes.fromhex(theirs)))
-            (answer,) = _ACK.unpack(_recv_exactly(sock, _ACK.size, deadline, cancel))
+            ours = secrets.token_bytes(_NONCE_BYTES)
+            sock.sendall(_HELLO.pack(self.index, ours))
+            challenge = _recv_exactly(sock, _CHALLENGE.size, deadline, cancel)
+            answer, theirs, proof = _CHALLENGE.unpack(challenge)
+            if answer != parent:
+                raise CommError(f"commit vote: index {parent}'s address answered as index {answer}")
+            nonces = ours + theirs
+            if not hmac.compare_digest(proof, self._proof(b"parent", parent, self.index, nonces)):
+                raise CommError(
+                    f"commit vote: index {parent}'s address did not prove it holds this "
+                    "generation's secret (a stranger, or a worker of another generation)"
+                )
+            sock.sendall(_PROOF.pack(self._proof(b"child", parent, self.index, nonces)))
+            if _recv_exactly(sock, len(_ACK), deadline, cancel) != _ACK:
+                raise CommError(f"commit vote: index {parent} did not take this worker")
         except BaseException:
             sock.close()
             raise
-        if answer != parent:
-            sock.close()
-            raise ConnectionError(
-                f"commit vote: index {parent}'s address answered as index {answer}"
-            )
         self._add(parent, sock)
 
-    def _accept(
-        self, listener: socket.socket, token: bytes, deadline: float, cancel: threading.Event
+    def _accept(self, listener: socket.socket, deadline: float, cancel: threading.Event) -> None:
+        """Take every child's connection, reading the pending handshakes together (see
+        [Note: the vote's handshake])."""
+        listener.setblocking(False)
+        pending: dict[socket.socket, _Handshake] = {}  # oldest first
+        waiting = selectors.DefaultSelector()
+        waiting.register(listener, selectors.EVENT_READ, None)
+
+        def drop(sock: socket.socket) -> None:
+            pending.pop(sock, None)
+            with contextlib.suppress(KeyError, ValueError):
+                waiting.unregister(sock)
+            sock.close()
+
+        try:
+            while any(c not in self._peers for c in self.children):
+                _check(deadline, cancel, "a child to connect")
+                now = time.monotonic()
+                for sock in [s for s, h in pending.items() if h.by <= now]:
+                    drop(sock)  # too slow to say who it is: a stranger, ignored
+                soonest = min([h.by for h in pending.values()], default=now + _POLL_S)
+                for key, _ in waiting.select(max(0.0, min(soonest - now, _POLL_S))):
+                    if key.data is None:
+                        self._take_new(listener, pending, waiting, drop, deadline)
+                        continue
+                    conn = key.fileobj
+                    assert isinstance(conn, socket.socket)
+                    child = self._step(conn, key.data)
+                    if child is None:
+                        continue
+                    pending.pop(conn)
+                    waiting.unregister(conn)
+                    if child < 0:
+                        conn.close()  # not one of ours: ignored, the children still come
+                    else:
+                        self._add(child, conn)
+        finally:
+            for sock in list(pending):
+                drop(sock)
+            waiting.close()
+
+    def _take_new(
+        self,
+        listener: socket.socket,
+        pending: dict[socket.socket, _Handshake],
+        waiting: selectors.BaseSelector,
+        drop: Callable[[socket.socket], None],
+        deadline: float,
     ) -> None:
-        listener.settimeout(_POLL_S)
-        while any(c not in self._peers for c in self.children):
+        """Accept every connection waiting on ``listener``, dropping the oldest pending
+        handshakes beyond `_MAX_PENDING`."""
+        while True:
             try:
                 sock, _ = listener.accept()
-            except TimeoutError:
-                _check(deadline, cancel, "a child to connect")
-                continue
-            hello_by = min(deadline, time.monotonic() + _HELLO_S)
-            try:
-                child, named = _HELLO.unpack(_recv_exactly(sock, _HELLO.size, hello_by, cancel))
-                known = child in self.children and child not in self._peers and named == token
-                if known:
-                    sock.sendall(_ACK.pack(self.index))
-            except OSError:  # not one of ours (ConnectionError and timeouts included)
-                known = False
-            if not known:
-                sock.close()  # a stranger: ignored, the children still come
-                continue
-            self._add(child, sock)
+            except (BlockingIOError, InterruptedError):
+                return
+            sock.setblocking(False)
+            while len(pending) >= _MAX_PENDING:
+                drop(next(iter(pending)))
+            by = min(deadline, time.monotonic() + _HELLO_S)
+            pending[sock] = handshake = _Handshake(by)
+            waiting.register(sock, selectors.EVENT_READ, handshake)
+
+    def _step(self, sock: socket.socket, handshake: _Handshake) -> int | None:
+        """Read what ``sock`` sent of its handshake and answer it when whole. Returns the
+        child it proved to be, -1 if it is turned away, None while it is not done."""
+        try:
+            chunk = sock.recv(handshake.need - len(handshake.data))
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError:
+            return -1
+        if not chunk:
+            return -1
+        handshake.data += chunk
+        if len(handshake.data) < handshake.need:
+            return None
+        data, handshake.data = handshake.data, b""
+        try:
+            if handshake.child is None:  # its hello: answer with the challenge
+                child, theirs = _HELLO.unpack(data)
+                if child not in self.children or child in self._peers:
+                    return -1
+                ours = secrets.token_bytes(_NONCE_BYTES)
+                handshake.child, handshake.nonces = child, theirs + ours
+                proof = self._proof(b"parent", self.index, child, handshake.nonces)
+                _send_all_now(sock, _CHALLENGE.pack(self.index, ours, proof))
+                handshake.need = _PROOF.size
+                return None
+            child = handshake.child
+            (proof,) = _PROOF.unpack(data)
+            expected = self._proof(b"child", self.index, child, handshake.nonces)
+            if not hmac.compare_digest(proof, expected) or child in self._peers:
+                return -1
+            _send_all_now(sock, _ACK)
+            return child
+        except OSError:
+            return -1
 
     def _add(self, peer: int, sock: socket.socket) -> None:
         sock.settimeout(None)
@@ -468,11 +599,36 @@ class CommitVote:
         self._peers[peer] = sock
 
 
+class _Handshake:
+    """A connection's handshake as its parent reads it (see [Note: the vote's handshake])."""
+
+    def __init__(self, by: float) -> None:
+        self.by = by
+        """When it must be done (monotonic seconds)."""
+        self.need = _HELLO.size
+        """Bytes of the message being read."""
+        self.data = b""
+        self.child: int | None = None
+        """The index its hello named, once read."""
+        self.nonces = b""
+
+
+def _send_all_now(sock: socket.socket, data: bytes) -> None:
+    """Send a handshake message at once on a non-blocking socket (it is small, and a fresh
+    connection's buffer takes it whole).
+
+    Raises:
+        OSError: if it could not be sent whole.
+    """
+    if sock.send(data) != len(data):
+        raise CommError("commit vote: a handshake message did not fit the socket")
+
+
 def _check(deadline: float, cancel: threading.Event, what: str) -> None:
     if cancel.is_set():
-        raise ConnectionError(f"commit vote: formation abandoned while waiting for {what}")
+        raise CommError(f"commit vote: formation abandoned while waiting for {what}")
     if time.monotonic() > deadline:
-        raise ConnectionError(f"commit vote: connection timed out waiting for {what}")
+        raise CommError(f"commit vote: connection timed out waiting for {what}")
 
 
 def _recv_exactly(sock: socket.socket, n: int, deadline: float, cancel: threading.Event) -> bytes:
@@ -486,6 +642,6 @@ def _recv_exactly(sock: socket.socket, n: int, deadline: float, cancel: threadin
             _check(deadline, cancel, "a peer's handshake")
             continue
         if not chunk:
-            raise ConnectionError("commit vote: connection closed during the handshake")
+            raise CommError("commit vote: connection closed during the handshake")
         data += chunk
     return data

@@ -9,13 +9,17 @@ by a closed list of constructors, and everything it implies is checked before an
 memory is allocated:
 
 - a header's length is read first and must be in ``(0, MAX_HEADER_BYTES]``;
+- it is parsed once, bounded: JSON nested at most ``MAX_DEPTH`` levels deep, at most
+  ``MAX_ITEMS`` values in all (a dict's keys included), counted as the values are read;
 - every shape is a list of non-negative integers, every dtype one of `DTYPES`, and one
-  tensor's bytes at most ``MAX_TENSOR_BYTES``.
+  tensor's bytes at most ``MAX_TENSOR_BYTES``; all the tensors of one message draw on one
+  budget, the memory of the device they land on, through the one allocation helper every
+  receive uses ([Note: what a received message may allocate] in parallelism/comm/wire.py).
 
 Anything else -- the garbage a receive buffer holds after a peer aborted mid-message, or
 bytes from a stranger -- raises `parallelism.comm.GarbledMessage`, a communication error
 (``ConnectionError``) that the runtime handles like a lost peer, never an ``IndexError``,
-a ``MemoryError`` or a ``UnicodeDecodeError``.
+a ``MemoryError``, a ``RecursionError`` or a ``UnicodeDecodeError``.
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ from typing import Any
 
 import torch
 
-from parallelism.comm import GarbledMessage, StageComm
+from parallelism.comm import GarbledMessage, ReceiveBudget, StageComm, empty_received
 
 __all__ = [
     "DTYPES",
+    "MAX_DEPTH",
     "MAX_HEADER_BYTES",
+    "MAX_ITEMS",
     "MAX_TENSOR_BYTES",
     "decode",
     "encode",
@@ -43,6 +49,11 @@ __all__ = [
 
 MAX_HEADER_BYTES = 64 << 20
 """The largest description accepted (a 64 MiB JSON header is millions of tensors)."""
+MAX_DEPTH = 64
+"""The deepest nesting of lists and dicts accepted (a state description nests about 12)."""
+MAX_ITEMS = 1 << 22
+"""The most values accepted in one header, containers and a dict's keys included (a state
+description holds about 30 per parameter tensor)."""
 MAX_TENSOR_BYTES = 1 << 40
 """The largest single tensor accepted (1 TiB)."""
 DTYPES: dict[str, torch.dtype] = {
@@ -100,41 +111,58 @@ def _tag(obj: Any) -> Any:
     raise TypeError(f"{type(obj).__name__} cannot travel in a wire header")
 
 
-def _untag(obj: Any) -> Any:
-    if isinstance(obj, list):
-        return [_untag(v) for v in obj]
-    if not isinstance(obj, dict):
-        return obj
-    kind = obj.get(_TAG)
-    if kind is None:
-        return {k: _untag(v) for k, v in obj.items()}
-    if kind == "float" and obj.get("v") in ("inf", "-inf", "nan"):
-        return float(obj["v"])
-    if kind == "tuple" and isinstance(obj.get("v"), list):
-        return tuple(_untag(v) for v in obj["v"])
-    if kind == "dict" and isinstance(obj.get("v"), list):
-        pairs = obj["v"]
-        if not all(isinstance(p, list) and len(p) == 2 for p in pairs):
-            raise GarbledMessage("a wire header's dict is not a list of pairs")
-        return {_hashable(_untag(k)): _untag(v) for k, v in pairs}
-    if kind == "tensor":
-        shape, dtype = tensor_spec(obj.get("shape"), obj.get("dtype"))
-        if math.prod(shape) > _SMALL_TENSOR:
-            raise GarbledMessage(f"an inline tensor of shape {list(shape)} in a wire header")
-        try:
-            return torch.tensor(_untag(obj.get("v")), dtype=dtype).reshape(shape)
-        except (TypeError, ValueError, RuntimeError) as err:
-            raise GarbledMessage(f"a wire header's inline tensor does not decode: {err}") from None
-    if kind == "record" and obj.get("type") in _RECORDS and isinstance(obj.get("v"), dict):
-        cls = _RECORDS[obj["type"]]
-        names = {f.name for f in dataclasses.fields(cls)}
-        if set(obj["v"]) != names:
-            raise GarbledMessage(f"a wire header's {obj['type']} has fields {sorted(obj['v'])}")
-        try:  # a record checks its fields (`__post_init__`): what it refuses is garbled
-            return cls(**{k: _untag(v) for k, v in obj["v"].items()})
-        except (TypeError, ValueError) as err:
-            raise GarbledMessage(f"a wire header's {obj['type']} does not decode: {err}") from None
-    raise GarbledMessage(f"unknown or malformed tag {kind!r} in a wire header")
+class _Reader:
+    """One header's parsed JSON turned into values, bounded as it goes: ``MAX_DEPTH``
+    levels of nesting, ``MAX_ITEMS`` values (the recursion is bounded by the first)."""
+
+    def __init__(self) -> None:
+        self.values = 0
+
+    def read(self, obj: Any, depth: int = 1) -> Any:
+        self.values += 1 + (len(obj) if isinstance(obj, dict) else 0)
+        if self.values > MAX_ITEMS:
+            raise GarbledMessage(f"a wire header of more than {MAX_ITEMS} values")
+        if not isinstance(obj, list | dict):
+            return obj
+        if depth > MAX_DEPTH:
+            raise GarbledMessage(f"a wire header nested deeper than {MAX_DEPTH} levels")
+        inner = depth + 1
+        if isinstance(obj, list):
+            return [self.read(v, inner) for v in obj]
+        kind = obj.get(_TAG)
+        if kind is None:
+            return {k: self.read(v, inner) for k, v in obj.items()}
+        if kind == "float" and obj.get("v") in ("inf", "-inf", "nan"):
+            return float(obj["v"])
+        if kind == "tuple" and isinstance(obj.get("v"), list):
+            return tuple(self.read(v, inner) for v in obj["v"])
+        if kind == "dict" and isinstance(obj.get("v"), list):
+            pairs = obj["v"]
+            if not all(isinstance(p, list) and len(p) == 2 for p in pairs):
+                raise GarbledMessage("a wire header's dict is not a list of pairs")
+            return {_hashable(self.read(k, inner)): self.read(v, inner) for k, v in pairs}
+        if kind == "tensor":
+            shape, dtype = tensor_spec(obj.get("shape"), obj.get("dtype"))
+            if math.prod(shape) > _SMALL_TENSOR:
+                raise GarbledMessage(f"an inline tensor of shape {list(shape)} in a wire header")
+            try:
+                return torch.tensor(self.read(obj.get("v"), inner), dtype=dtype).reshape(shape)
+            except (TypeError, ValueError, RuntimeError) as err:
+                raise GarbledMessage(
+                    f"a wire header's inline tensor does not decode: {err}"
+                ) from None
+        if kind == "record" and obj.get("type") in _RECORDS and isinstance(obj.get("v"), dict):
+            cls = _RECORDS[obj["type"]]
+            names = {f.name for f in dataclasses.fields(cls)}
+            if set(obj["v"]) != names:
+                raise GarbledMessage(f"a wire header's {obj['type']} has fields {sorted(obj['v'])}")
+            try:  # a record checks its fields (`__post_init__`): what it refuses is garbled
+                return cls(**{k: self.read(v, inner) for k, v in obj["v"].items()})
+            except (TypeError, ValueError) as err:
+                raise GarbledMessage(
+                    f"a wire header's {obj['type']} does not decode: {err}"
+                ) from None
+        raise GarbledMessage(f"unknown or malformed tag {kind!r} in a wire header")
 
 
 def _hashable(key: Any) -> Any:
@@ -154,18 +182,22 @@ def encode(obj: Any) -> bytes:
 
 
 def decode(data: bytes) -> Any:
-    """The object `encode` made ``data`` from.
+    """The object `encode` made ``data`` from, parsed within the bounds of the module's
+    docstring (bytes, nesting, values).
 
     Raises:
-        GarbledMessage: for bytes that are not a header `encode` could have made.
+        GarbledMessage: for bytes that are not a header `encode` could have made, or one
+            out of bounds.
     """
     if not 0 < len(data) <= MAX_HEADER_BYTES:
         raise GarbledMessage(f"a wire header of {len(data)} bytes")
     try:
         parsed = json.loads(data.decode("utf-8"), parse_constant=_refuse_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+    except RecursionError:  # the C parser's own guard, far past MAX_DEPTH
+        raise GarbledMessage(f"a wire header nested deeper than {MAX_DEPTH} levels") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise GarbledMessage(f"a wire header that is not JSON: {err}") from None
-    return _untag(parsed)
+    return _Reader().read(parsed)
 
 
 def _refuse_constant(name: str) -> Any:
@@ -209,5 +241,8 @@ def recv_header(comm: StageComm, src: int) -> tuple[Any, int]:
     size = int(comm.recv(torch.empty(1, dtype=torch.int64, device=comm.wire), src).item())
     if not 0 < size <= MAX_HEADER_BYTES:
         raise GarbledMessage(f"a wire header length of {size} bytes from rank {src}")
-    blob = comm.recv(torch.empty(size, dtype=torch.uint8, device=comm.wire), src)
+    what = f"a wire header from rank {src}"
+    blob = comm.recv(
+        empty_received((size,), torch.uint8, comm.wire, what, ReceiveBudget(comm.wire)), src
+    )
     return decode(blob.cpu().numpy().tobytes()), size

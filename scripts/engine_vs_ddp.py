@@ -56,7 +56,9 @@ peers = _peers()
 WARMUP = 3
 
 
-def _worker(rank: int, mode: str, width: int, steps: int, port: int, out: mp.Queue) -> None:
+def _worker(
+    rank: int, mode: str, width: int, steps: int, port: int, secret: bytes, out: mp.Queue
+) -> None:
     torch.set_num_threads(1)
     keep_freed_memory()
     torch.manual_seed(0)
@@ -81,7 +83,8 @@ def _worker(rank: int, mode: str, width: int, steps: int, port: int, out: mp.Que
         from parallelism.schedule import build_schedule
 
         top = Topology(1, 2)
-        comm = StageComm(Rendezvous("127.0.0.1", port, "g0", 60), top, rank, "gloo", "127.0.0.1")
+        rendezvous = Rendezvous("127.0.0.1", port, "g0", 60, secret=secret)
+        comm = StageComm(rendezvous, top, rank, "gloo", "127.0.0.1")
         engine = StageEngine(
             model, stage=0, replica=rank, topology=top,
             loss_fn=torch.nn.functional.mse_loss, device=torch.device("cpu"),
@@ -127,7 +130,11 @@ def _run(mode: str, width: int, steps: int) -> tuple[float, float, float]:
 
         store = host_store("127.0.0.1")
         port = store.port
-    procs = [ctx.Process(target=_worker, args=(r, mode, width, steps, port, out)) for r in range(2)]
+    secret = os.urandom(32)  # one generation: the same secret for both workers
+    procs = [
+        ctx.Process(target=_worker, args=(r, mode, width, steps, port, secret, out))
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     while out.empty():

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib.util
 import json
 import multiprocessing as mp
@@ -235,7 +236,9 @@ def run(args: argparse.Namespace) -> None:
     )
     measured: dict[tuple[str, int], dict[str, float]] = {}
     for size in sizes:
-        for name, make in (("mesh", old.Mesh), ("tree", CommitVote)):
+        # Forked workers inherit the one secret, as a generation's workers get theirs.
+        tree = functools.partial(CommitVote, secret=os.urandom(32))
+        for name, make in (("mesh", old.Mesh), ("tree", tree)):
             measured[name, size] = measure(make, size, args.exchanges, args.warmup, name)
             print(f"  {name} x {size}: {measured[name, size]}", file=sys.stderr, flush=True)
     rows = []

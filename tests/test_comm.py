@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 import threading
 import time
@@ -12,9 +13,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from parallelism import Topology
 from parallelism.comm import (
+    CommError,
+    GarbledMessage,
     NcclSettings,
     Rendezvous,
     StageComm,
@@ -27,6 +31,7 @@ from parallelism.comm import (
 )
 from parallelism.comm.gloo_sockets import _socket_inodes, _Transport
 from parallelism.comm.groups import _abandonable
+from recovery.errors import CallbackError
 from recovery.worker.reports import is_comm_error
 
 
@@ -236,3 +241,45 @@ def test_a_group_formed_under_the_join_timeout_times_out_its_operations_after_th
     finally:
         for c in comms:
             c.close()
+
+
+def test_a_rendezvous_carries_a_fresh_secret_that_its_repr_hides() -> None:
+    """Each generation's workers share a secret the controller hands them with the
+    rendezvous (through Ray, never the store: [Note: the vote's handshake])."""
+    one, two = Rendezvous("127.0.0.1", 1, "gen1", 20), Rendezvous("127.0.0.1", 1, "gen2", 20)
+    assert len(one.secret) == 32 and one.secret != two.secret
+    assert one.secret.hex() not in repr(one) and "secret" not in repr(one)
+    assert pickle.loads(pickle.dumps(one)) == one  # as Ray hands it over
+
+
+def test_communication_errors_are_told_apart_by_type_not_by_their_words() -> None:
+    """[Note: communication errors are marked at the source]: what says "connection" or
+    "timed out" is not thereby a peer's failure; what a call to peers raised is one."""
+    for users in (
+        OSError("Connection reset"),
+        ConnectionResetError(104, "Connection reset by peer"),
+        TimeoutError("read timed out"),
+        RuntimeError("[gloo] Connection closed by peer"),  # words alone, not marked
+        CallbackError("batches(2, 1, 2)", 2, 0, 1, ConnectionResetError("reset")),
+    ):
+        assert not is_comm_error(users), users
+    for peers in (
+        CommError("process group used after close()"),
+        GarbledMessage("a wire header of 0 bytes"),
+        dist.DistBackendError("NCCL error: remote process exited"),
+    ):
+        assert is_comm_error(peers), peers
+
+
+def test_a_peer_lost_mid_receive_is_a_comm_error_with_the_backends_as_its_cause() -> None:
+    comms = _pair(Topology(2, 1))
+    comms[0].close()  # the peer goes
+    try:
+        with pytest.raises(CommError) as info:
+            comms[1].recv(torch.empty(4), 0)
+        assert isinstance(info.value.__cause__, RuntimeError)
+        assert not isinstance(info.value.__cause__, CommError)  # Gloo's own, kept
+        with pytest.raises(CommError, match="after close"):
+            comms[0].recv(torch.empty(4), 1)
+    finally:
+        comms[1].close()

@@ -3,8 +3,8 @@ with a growing wait, then a `RecoveryError` naming the worker and the error (see
 communication errors with nobody lost] in recovery/runtime/controller.py).
 
 The error is planted by wrapping `StageWorker.run_step` on one rank, over threads (no Ray):
-the worker raises the text a real Gloo reset shows, before touching its state, so a retry
-can be exact.
+the worker raises what a real Gloo reset raises through `StageComm` (a `CommError` whose
+cause is Gloo's ``RuntimeError``), before touching its state, so a retry can be exact.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from parallelism import Topology
+from parallelism.errors import talks
 from recovery import RecoveryError, RecoveryPolicy
 from recovery.runtime import Phase, decisions
 from recovery.worker import StageWorker
@@ -27,6 +28,13 @@ FLAKY = TOP.rank(1, 0)
 AT_STEP = 2
 
 
+@talks  # as every StageComm call that talks to peers is
+def _gloo_reset() -> None:
+    raise RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection reset by peer"
+    )
+
+
 def plant_resets(monkeypatch: pytest.MonkeyPatch, times: int | None) -> list[float]:
     """Rank FLAKY raises a connection reset at step AT_STEP, ``times`` times (None: always);
     returns the wall times at which it raised."""
@@ -36,9 +44,7 @@ def plant_resets(monkeypatch: pytest.MonkeyPatch, times: int | None) -> list[flo
     def run_step(self: StageWorker, step: int, *args, **kwargs):  # type: ignore[no-untyped-def]
         if self.rank == FLAKY and step == AT_STEP and (times is None or len(raised) < times):
             raised.append(time.monotonic())
-            raise RuntimeError(
-                "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection reset by peer"
-            )
+            _gloo_reset()
         return real(self, step, *args, **kwargs)
 
     monkeypatch.setattr(StageWorker, "run_step", run_step)
@@ -89,7 +95,7 @@ def test_the_count_starts_again_after_a_commit(monkeypatch: pytest.MonkeyPatch) 
     def run_step(self: StageWorker, step: int, *args, **kwargs):  # type: ignore[no-untyped-def]
         if self.rank == FLAKY and step in (1, 3) and raised.count(step) < 1:
             raised.append(step)
-            raise RuntimeError("Connection reset by peer")
+            _gloo_reset()
         return real(self, step, *args, **kwargs)
 
     monkeypatch.setattr(StageWorker, "run_step", run_step)

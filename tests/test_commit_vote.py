@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import math
+import secrets
 import socket
 import struct
 import threading
@@ -15,12 +18,15 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from parallelism import commit_vote
 from parallelism.comm import host_store
 from parallelism.comm.gloo_sockets import _socket_inodes
 from parallelism.commit_vote import FANOUT, CommitVote, tree_depth
 from recovery.worker.reports import is_comm_error
 
 SHORT = datetime.timedelta(seconds=20)
+SECRET = secrets.token_bytes(32)
+"""The generation's secret, as the controller hands it to every worker (through Ray)."""
 
 
 def _store(host: dist.TCPStore) -> dist.Store:
@@ -33,7 +39,9 @@ def _votes(size: int, fanout: int = FANOUT) -> tuple[list[CommitVote], dist.TCPS
     store = _store(host)  # one client for all: a TCPStore client serialises its calls
     with ThreadPoolExecutor(size) as pool:
         futures = [
-            pool.submit(CommitVote, store, i, size, "127.0.0.1", SHORT, fanout=fanout)
+            pool.submit(
+                CommitVote, store, i, size, "127.0.0.1", SHORT, fanout=fanout, secret=SECRET
+            )
             for i in range(size)
         ]
         return [f.result(timeout=30) for f in futures], host
@@ -142,35 +150,188 @@ def test_a_formation_whose_peer_never_comes_is_abandoned_when_cancelled() -> Non
     threading.Timer(0.3, cancel.set).start()
     start = time.perf_counter()
     with pytest.raises(ConnectionError, match="abandoned") as info:
-        CommitVote(_store(host), 0, 2, "127.0.0.1", SHORT, cancel)
+        CommitVote(_store(host), 0, 2, "127.0.0.1", SHORT, cancel, secret=SECRET)
     assert time.perf_counter() - start < 3.0
     assert is_comm_error(info.value)
 
 
 def test_a_stranger_or_a_stale_peer_connecting_during_formation_is_turned_away() -> None:
     """Something else reaching the listener -- a port scan, or a worker of an earlier
-    generation whose peer's port the listener reused, naming the right index but not this
-    listener's token -- is dropped and the real peer still joins."""
+    generation whose peer's port the listener reused, naming the right index but not
+    holding this generation's secret -- is dropped and the real peer still joins."""
     host = host_store("127.0.0.1")
     with ThreadPoolExecutor(1) as pool:
-        first = pool.submit(CommitVote, _store(host), 0, 2, "127.0.0.1", SHORT)
-        address = _store(host).get("vote/0").decode().split()
-        strangers = [socket.create_connection((address[0], int(address[1]))) for _ in range(3)]
+        first = pool.submit(CommitVote, _store(host), 0, 2, "127.0.0.1", SHORT, secret=SECRET)
+        address = _address(host, 0)
+        strangers = [socket.create_connection(address) for _ in range(3)]
         strangers[0].sendall(struct.pack("<I", 7))  # a few bytes, then nothing
-        strangers[1].sendall(struct.pack("<I16s", 1, b"\0" * 16))  # index 1, another token
-        strangers[2].sendall(struct.pack("<I16s", 9, bytes.fromhex(address[2])))  # no index 9
-        second = CommitVote(_store(host), 1, 2, "127.0.0.1", SHORT)
+        strangers[1].sendall(struct.pack("<I16s", 1, b"\0" * 16))  # index 1, then no proof
+        strangers[2].sendall(struct.pack("<I16s", 9, b"\0" * 16))  # no index 9
+        second = CommitVote(_store(host), 1, 2, "127.0.0.1", SHORT, secret=SECRET)
         vote0 = first.result(timeout=30)
     try:
-        for s in strangers:
-            s.settimeout(5)
-            assert s.recv(16) == b""  # closed without an answer
+        for s in strangers:  # never taken: closed, after a challenge at most
+            assert len(_until_closed(s)) in (0, _CHALLENGE_BYTES)
         assert _gather_all([vote0, second], [[0.0], [1.0]]) == [[(0.0,), (1.0,)]] * 2
     finally:
         for s in strangers:
             s.close()
         vote0.shut_down()
         second.shut_down()
+
+
+# -- the handshake: a challenge over the generation's secret (issue 33 item 9) -------------
+
+_CHALLENGE_BYTES = 4 + 16 + 32
+"""What a parent answers a hello with: its index, its nonce, its proof."""
+
+
+def _address(host: dist.TCPStore, index: int) -> tuple[str, int]:
+    """Where ``index`` listens, as its store key says (waiting for it)."""
+    store = _store(host)
+    store.wait([f"vote/{index}"])
+    fields = store.get(f"vote/{index}").decode().split()
+    return fields[0], int(fields[1])
+
+
+def _until_closed(sock: socket.socket) -> bytes:
+    """Everything ``sock`` receives until its peer closes it (5 s at most)."""
+    sock.settimeout(5)
+    data = b""
+    while chunk := sock.recv(4096):
+        data += chunk
+    return data
+
+
+def _mac(secret: bytes, role: bytes, parent: int, child: int, theirs: bytes, ours: bytes) -> bytes:
+    """The handshake's proof as [Note: the vote's handshake] defines it."""
+    message = b"checkfree-vote " + role + struct.pack("<II", parent, child) + theirs + ours
+    return hmac.new(secret, message, hashlib.sha256).digest()
+
+
+def _knock(address: tuple[str, int], child: int, secret: bytes) -> bytes:
+    """A client that follows the handshake as child ``child`` with ``secret`` (without
+    checking the parent's proof): the parent's first byte after the client's proof (its
+    acknowledgement), or nothing (turned away: closed)."""
+    with socket.create_connection(address, timeout=5) as sock:
+        nonce = secrets.token_bytes(16)
+        sock.sendall(struct.pack("<I16s", child, nonce))
+        got = b""
+        while len(got) < _CHALLENGE_BYTES:
+            chunk = sock.recv(_CHALLENGE_BYTES - len(got))
+            assert chunk, "closed before the challenge"
+            got += chunk
+        parent, theirs, _ = struct.unpack("<I16s32s", got)
+        sock.sendall(_mac(secret, b"child", parent, child, nonce, theirs))
+        return sock.recv(1)
+
+
+def test_the_store_holds_no_secret_and_a_stranger_who_reads_it_cannot_join() -> None:
+    """The store is not authenticated: whoever reaches its port reads it. What a parent
+    publishes there is its address only, and a client proving itself with anything read
+    there is turned away; the real child still joins."""
+    host = host_store("127.0.0.1")
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(CommitVote, _store(host), 0, 2, "127.0.0.1", SHORT, secret=SECRET)
+        address = _address(host, 0)
+        published = _store(host).get("vote/0")
+        assert published.decode().split() == [address[0], str(address[1])]
+        assert _knock(address, 1, published) == b""
+        second = CommitVote(_store(host), 1, 2, "127.0.0.1", SHORT, secret=SECRET)
+        vote0 = first.result(timeout=30)
+    try:
+        assert _gather_all([vote0, second], [[0.0], [1.0]]) == [[(0.0,), (1.0,)]] * 2
+    finally:
+        vote0.shut_down()
+        second.shut_down()
+
+
+@pytest.mark.parametrize("right", [False, True])
+def test_a_wrong_proof_is_refused_and_the_right_one_taken(right: bool) -> None:
+    host = host_store("127.0.0.1")
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(
+            CommitVote, _store(host), 0, 2, "127.0.0.1", datetime.timedelta(seconds=3),
+            secret=SECRET,
+        )  # fmt: skip
+        answer = _knock(_address(host, 0), 1, SECRET if right else b"another generation's")
+        if right:  # taken as index 1: the formation is complete
+            assert answer == b"\x01"
+            first.result(timeout=30).shut_down()
+        else:  # turned away: index 1 never came
+            assert answer == b""
+            with pytest.raises(ConnectionError, match="timed out"):
+                first.result(timeout=30)
+
+
+def test_a_parent_that_cannot_prove_itself_is_refused_by_the_child() -> None:
+    """The address in the store could be anyone's (the store is writable by whoever
+    reaches it): a child checks its parent's proof before it sends its own."""
+    host = host_store("127.0.0.1")
+    with socket.create_server(("127.0.0.1", 0)) as fake:
+        _store(host).set("vote/0", f"127.0.0.1 {fake.getsockname()[1]}")
+
+        def answer_wrongly() -> None:
+            sock, _ = fake.accept()
+            with sock:
+                _, nonce = struct.unpack("<I16s", sock.recv(20))
+                ours = secrets.token_bytes(16)
+                proof = _mac(b"not the secret", b"parent", 0, 1, nonce, ours)
+                sock.sendall(struct.pack("<I16s32s", 0, ours, proof))
+                _until_closed(sock)
+
+        threading.Thread(target=answer_wrongly, daemon=True).start()
+        with pytest.raises(ConnectionError, match="secret") as info:
+            CommitVote(_store(host), 1, 2, "127.0.0.1", SHORT, secret=SECRET)
+    assert is_comm_error(info.value)
+
+
+def test_silent_strangers_do_not_hold_the_formation_up_one_after_another() -> None:
+    """Each connection has a short handshake deadline, and several are handled at once:
+    five strangers that connect and say nothing used to cost 2 s each, one after the
+    other, before the real child was even read."""
+    host = host_store("127.0.0.1")
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(CommitVote, _store(host), 0, 2, "127.0.0.1", SHORT, secret=SECRET)
+        address = _address(host, 0)
+        strangers = [socket.create_connection(address) for _ in range(5)]
+        try:
+            time.sleep(0.2)  # accepted before the child comes
+            start = time.monotonic()
+            second = CommitVote(_store(host), 1, 2, "127.0.0.1", SHORT, secret=SECRET)
+            vote0 = first.result(timeout=30)
+            took = time.monotonic() - start
+        finally:
+            for s in strangers:
+                s.close()
+    vote0.shut_down()
+    second.shut_down()
+    assert took < 1.5, took  # under one stranger's handshake deadline (2 s)
+
+
+def test_many_strangers_are_capped_and_the_child_still_joins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """More strangers than the listener keeps pending: the oldest are dropped, so a flood
+    neither grows without bound nor keeps the child out."""
+    monkeypatch.setattr(commit_vote, "_MAX_PENDING", 4)
+    host = host_store("127.0.0.1")
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(CommitVote, _store(host), 0, 2, "127.0.0.1", SHORT, secret=SECRET)
+        address = _address(host, 0)
+        strangers = [socket.create_connection(address) for _ in range(12)]
+        try:
+            start = time.monotonic()
+            second = CommitVote(_store(host), 1, 2, "127.0.0.1", SHORT, secret=SECRET)
+            vote0 = first.result(timeout=30)
+            took = time.monotonic() - start
+            assert all(_until_closed(s) == b"" for s in strangers)  # none was taken
+        finally:
+            for s in strangers:
+                s.close()
+    vote0.shut_down()
+    second.shut_down()
+    assert took < 1.5, took  # not kept waiting until the pending ones time out (2 s)
 
 
 @pytest.mark.parametrize(("size", "fanout"), [(7, 2), (10, 3), (17, FANOUT)])
@@ -201,7 +362,9 @@ def test_connections_per_worker_are_bounded_by_the_fanout_and_n_minus_1_in_all()
     before = len(_socket_inodes())
     with ThreadPoolExecutor(size) as pool:
         futures = [
-            pool.submit(CommitVote, store, i, size, "127.0.0.1", SHORT, fanout=fanout)
+            pool.submit(
+                CommitVote, store, i, size, "127.0.0.1", SHORT, fanout=fanout, secret=SECRET
+            )
             for i in range(size)
         ]
         votes = [f.result(timeout=30) for f in futures]

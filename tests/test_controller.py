@@ -17,6 +17,7 @@ import torch
 
 from parallelism import Topology
 from parallelism.comm import StageComm
+from parallelism.errors import talks
 from recovery import Hang, Kill, KillPoint, RecoveryError, RecoveryPolicy, SnapshotPolicy, Timeouts
 from recovery.reference import differences
 from recovery.runtime import Phase
@@ -331,6 +332,7 @@ def test_a_survivor_whose_vote_broke_after_everyone_elses_completed_is_rolled_fo
     returned: set[int] = set()
     lock = threading.Lock()
 
+    @talks  # as the exchange it stands in for
     def broken_on_rank_1(self, row):  # type: ignore[no-untyped-def]
         rows = exchange(self, row)
         with lock:

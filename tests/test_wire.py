@@ -5,6 +5,7 @@ allocation; garbage or a stranger's bytes are a communication error, never code 
 from __future__ import annotations
 
 import math
+import os
 import pickle
 from pathlib import Path
 
@@ -15,11 +16,15 @@ from hypothesis import strategies as st
 
 from parallelism import Topology
 from parallelism.comm import GarbledMessage, StageComm
+from parallelism.comm import wire as comm_wire
+from recovery import wire
 from recovery.snapshots.packing import PackedState, pack_state, unpack_state
 from recovery.state import Progress, Rebuild, WorkerState
 from recovery.transport import recv_named
 from recovery.wire import decode, encode, tensor_spec
+from recovery.worker.keeper import SnapshotKeeper
 from recovery.worker.reports import is_comm_error
+from recovery.worker.table import TableWorker
 from tests.jobs import in_threads
 from tests.test_comm import _pair
 
@@ -183,6 +188,7 @@ def test_a_header_in_bounds_that_cannot_be_allocated_is_a_communication_error(
 
     comms = _pair(Topology(2, 1))
     monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(comm_wire, "message_budget", lambda device: 1 << 62)  # a huge host
     header = torch.tensor([2, 3, 0, 0, 1 << 18, 1 << 18, 0, 0, 0, 0, 0, 0])  # float64
     blob = encode({"model": [["w", [1 << 20, 1 << 18], "float32"]], "moments": {}})
     state_header = [torch.tensor([len(blob)]), torch.frombuffer(bytearray(blob), dtype=torch.uint8)]
@@ -197,6 +203,125 @@ def test_a_header_in_bounds_that_cannot_be_allocated_is_a_communication_error(
         )
         assert isinstance(got, GarbledMessage) and "cannot be allocated" in str(got)
         assert is_comm_error(got)
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+# -- the bounded parser and the budget of one message (issue 33 item 10) ------------------
+
+
+@pytest.mark.parametrize("depth", [600, 900, 100_000])
+def test_brackets_nested_past_the_recursion_limit_are_a_garbled_message(depth: int) -> None:
+    """Hundreds of nested ``[`` used to escape as ``RecursionError`` -- read as a bug in
+    user code, ending the job -- instead of a communication error."""
+    with pytest.raises(GarbledMessage, match="nest") as err:
+        decode(b"[" * depth + b"]" * depth)
+    assert is_comm_error(err.value)
+
+
+def test_the_parser_bounds_nesting_items_and_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each bound on both sides of its limit (made small here, so the test is fast)."""
+    monkeypatch.setattr(wire, "MAX_DEPTH", 5)
+    monkeypatch.setattr(wire, "MAX_ITEMS", 100)
+    monkeypatch.setattr(wire, "MAX_HEADER_BYTES", 1000)
+    assert decode(b"[[[[[]]]]]") == [[[[[]]]]]
+    with pytest.raises(GarbledMessage, match="nest"):
+        decode(b"[[[[[[]]]]]]")
+    with pytest.raises(GarbledMessage, match="nest"):  # a dict is a level too
+        decode(b'{"a":[[[[{"b":1}]]]]}')
+    assert decode(b"[" + b"0," * 98 + b"0]") == [0] * 99  # 100 values, the list included
+    with pytest.raises(GarbledMessage, match="values"):
+        decode(b"[" + b"0," * 99 + b"0]")
+    with pytest.raises(GarbledMessage, match="values"):  # a dict's keys count too
+        decode(encode({str(i): i for i in range(60)}))
+    assert decode(b" " * 997 + b"[1]") == [1]
+    with pytest.raises(GarbledMessage, match="bytes"):
+        decode(b" " * 998 + b"[1]")
+
+
+class _Announcer:
+    """A peer that announces sizes and sends nothing of what it announced: each ``recv``
+    takes the next of ``values``; a receive past them means the receiver allocated what
+    it should have refused."""
+
+    def __init__(self, *values: torch.Tensor) -> None:
+        self.values = list(values)
+        self.wire = self.device = torch.device("cpu")
+        self.rank = 1
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        if not self.values:
+            raise AssertionError(f"received into {tuple(tensor.shape)} {tensor.dtype}")
+        value = self.values.pop(0)
+        assert tensor.shape == value.shape, (tensor.shape, value.shape)
+        return tensor.copy_(value)
+
+    def recv_many(self, tensors: list[torch.Tensor], src: int) -> None:
+        raise AssertionError(f"received into {len(tensors)} tensors")
+
+
+def _header(obj: object) -> list[torch.Tensor]:
+    blob = encode(obj)
+    return [torch.tensor([len(blob)]), torch.frombuffer(bytearray(blob), dtype=torch.uint8)]
+
+
+def test_a_description_over_the_message_budget_is_refused_before_it_is_allocated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every tensor in bounds, their sum not: a description is one message, with one
+    budget (a device's memory at most) for all the tensors it announces."""
+    monkeypatch.setattr(comm_wire, "message_budget", lambda device: 1 << 20)
+    model = [[f"w{i}", [100 << 10], "float32"] for i in range(3)]  # 400 KiB each
+    with pytest.raises(GarbledMessage, match="budget") as err:
+        recv_named(_Announcer(*_header({"model": model, "moments": {}})), 0)  # type: ignore[arg-type]
+    assert is_comm_error(err.value)
+    assert comm_wire.message_budget(torch.device("cpu")) == 1 << 20
+
+
+def test_the_real_budget_is_the_devices_memory_at_most() -> None:
+    cpu = torch.device("cpu")
+    pages = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 0 < comm_wire.message_budget(cpu) <= pages
+
+
+def test_a_peer_copy_announcing_more_than_the_budget_is_refused() -> None:
+    """The peer-snapshot receive used to allocate up to 1 TiB as announced, raw."""
+    over = comm_wire.message_budget(torch.device("cpu")) + 1
+    with pytest.raises(GarbledMessage, match="budget") as err:
+        SnapshotKeeper().receive(_Announcer(torch.tensor([100, over])), 0)  # type: ignore[arg-type]
+    assert is_comm_error(err.value)
+
+
+@pytest.mark.parametrize("count", [-1, "budget"])
+def test_a_mirror_update_announcing_a_bad_size_is_refused(count: object) -> None:
+    """The mirror exchange's sized receives allocated any announced count, raw (a
+    negative one raised a ``RuntimeError`` from torch, read as a bug in user code)."""
+    n = comm_wire.message_budget(torch.device("cpu")) // 8 + 1 if count == "budget" else count
+    worker = TableWorker.__new__(TableWorker)
+    worker.comm = _Announcer(torch.tensor([n]))  # type: ignore[assignment]
+    with pytest.raises(GarbledMessage) as err:
+        worker._recv_sized(0, torch.int64, comm_wire.ReceiveBudget(torch.device("cpu")))
+    assert is_comm_error(err.value)
+
+
+def test_an_activation_tuple_over_the_message_budget_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each tensor of a tuple in bounds, the tuple not: one budget for the whole tuple."""
+    monkeypatch.setattr(comm_wire, "message_budget", lambda device: 1 << 20)
+    comms = _pair(Topology(2, 1))
+    part = torch.tensor([1, 0, 2, 0, 150_000, 0, 0, 0, 0, 0, 0, 0])  # 1 of 2: 600 KB
+
+    def receive() -> object:
+        try:
+            return comms[1].recv_activation(0)
+        finally:
+            comms[1].close()
+
+    try:
+        _, got = in_threads([lambda: _garbage(comms[0], part, torch.zeros(150_000), part), receive])
+        assert isinstance(got, GarbledMessage) and "budget" in str(got), got
     finally:
         for comm in comms:
             comm.close()

@@ -8,7 +8,10 @@
   on teardown ([Note: tearing down on failure]).
 - `parallelism.comm.rendezvous`: the controller's store and where a generation meets.
 - `parallelism.comm.wire`: tensors staged between the compute device and the wire, and
-  the activation header; `GarbledMessage`.
+  the activation header; `GarbledMessage`, `ReceiveBudget`, `empty_received`.
+
+`CommError` (from `parallelism.errors`) is what every call here that talks to peers
+raises when that fails.
 """
 
 from parallelism.comm.groups import (
@@ -26,21 +29,26 @@ from parallelism.comm.stage_comm import StageComm
 from parallelism.comm.wire import (
     Activation,
     GarbledMessage,
+    ReceiveBudget,
     StagedWork,
     Waitable,
     empty_received,
     from_wire,
     land,
+    message_budget,
     to_wire,
     wire_buffer,
 )
+from parallelism.errors import CommError
 
 __all__ = [
     "BACKENDS",
     "NCCL_ENV",
     "Activation",
+    "CommError",
     "GarbledMessage",
     "NcclSettings",
+    "ReceiveBudget",
     "Rendezvous",
     "StageComm",
     "StagedWork",
@@ -53,6 +61,7 @@ __all__ = [
     "host_store",
     "land",
     "listen_socket",
+    "message_budget",
     "nccl_env",
     "nccl_options",
     "to_wire",

@@ -2,14 +2,16 @@
 
 The controller hosts one TCPStore (`host_store`) for the whole job; each generation's
 workers meet under a fresh key prefix of it (`Rendezvous`), so nothing of a failed
-generation is ever read by the next.
+generation is ever read by the next. The store is not authenticated: what must stay
+between a generation's workers (its secret) travels in the `Rendezvous` itself.
 """
 
 from __future__ import annotations
 
 import datetime
+import secrets
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
@@ -26,6 +28,12 @@ class Rendezvous:
     collective_s: float | None = None
     """The process groups' own timeout (c10d's), a backstop above the controller's hang
     detection (see docs/timeouts.md); None: ``timeout_s``."""
+    secret: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
+    """The generation's secret, with which its workers prove to each other that they belong
+    to it ([Note: the vote's handshake] in parallelism/commit_vote.py). It travels with
+    this object -- from the controller to each worker as an argument of its ``join``, over
+    Ray -- and never through the store, which anyone who reaches its port can read. Fresh
+    for every `Rendezvous` made; every worker of a generation gets the same one."""
 
 
 def listen_socket(host: str) -> socket.socket:

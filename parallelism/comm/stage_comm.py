@@ -10,7 +10,9 @@ constructed directly rather than through ``torch.distributed.init_process_group`
 no global state survives a generation: closing one and forming the next is just dropping
 objects, and a test can run several workers' groups in one process. How groups are built
 and torn down is in parallelism/comm/groups.py, how their connections are cut in
-parallelism/comm/gloo_sockets.py ([Note: tearing down on failure]).
+parallelism/comm/gloo_sockets.py ([Note: tearing down on failure]). Whatever fails in a
+method that talks to peers is raised as a `CommError` ([Note: communication errors are
+marked at the source] in parallelism/errors.py).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from parallelism.comm.wire import (
     ACTIVATION_HEADER_LEN,
     MAX_TUPLE,
     Activation,
+    ReceiveBudget,
     StagedWork,
     Waitable,
     empty_received,
@@ -50,6 +53,7 @@ from parallelism.comm.wire import (
 )
 from parallelism.commit_vote import CommitVote
 from parallelism.devices import wire_device
+from parallelism.errors import CommError, talks
 from parallelism.progress import Progress, progress_for
 from parallelism.topology import Topology
 
@@ -74,10 +78,12 @@ class StageComm:
             communication error (see [Note: abandoning a formation]).
 
     Raises:
-        RuntimeError: if the group cannot be formed within ``rendezvous.timeout_s``.
+        CommError: if the groups cannot be formed within ``rendezvous.timeout_s`` (a
+            peer died or the formation was abandoned).
         ValueError: for NCCL with a compute device that is not CUDA.
     """
 
+    @talks
     def __init__(
         self,
         rendezvous: Rendezvous,
@@ -179,6 +185,7 @@ class StageComm:
                 bind_host,
                 timeout,
                 cancel,
+                secret=rendezvous.secret,
             )
         except BaseException:
             self.close()
@@ -196,7 +203,7 @@ class StageComm:
     def store(self) -> dist.Store:
         """This generation's view of the controller's store."""
         if self._store is None:
-            raise RuntimeError("process group used after close()")
+            raise CommError("process group used after close()")
         return self._store
 
     # -- point to point (global ranks) ---------------------------------------------------
@@ -204,9 +211,10 @@ class StageComm:
     @property
     def world(self) -> _Group:
         if self._world is None:
-            raise RuntimeError("process group used after close()")
+            raise CommError("process group used after close()")
         return self._world
 
+    @talks
     def isend(self, tensor: torch.Tensor, dst: int) -> None:
         """Send ``tensor`` to global rank ``dst`` without waiting; see `wait_sends`. A tensor
         off the wire device is sent from a wire copy (`to_wire`), finished before this
@@ -214,6 +222,7 @@ class StageComm:
         tensor = to_wire(tensor, self.wire)
         self._pending.append((self.world.send([tensor], self._index[dst], 0), tensor, dst))
 
+    @talks
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Receive into ``tensor`` from global rank ``src``, blocking (on the wire first
         when ``tensor`` is off the wire device, then copied into it)."""
@@ -221,6 +230,7 @@ class StageComm:
         self.wait(self.world.recv([landing], self._index[src], 0), src)
         return land(tensor, landing)
 
+    @talks
     def recv_many(self, tensors: list[torch.Tensor], src: int) -> None:
         """Receive into each of ``tensors`` in order from ``src``, all receives posted at once."""
         landings = [t if t.device == self.wire else wire_buffer(t, self.wire) for t in tensors]
@@ -238,11 +248,12 @@ class StageComm:
         staged = to_wire(tensor, self.wire)
         return StagedWork(start([staged]), staged, tensor)
 
+    @talks
     def wait(self, work: Waitable, peer: int = -1) -> None:
         """Wait for ``work``, noting whom we wait for (see `waiting_on`).
 
         Raises:
-            RuntimeError: the work's error, or a connection error if `close` ran meanwhile.
+            CommError: the work's error, or `close` ran meanwhile.
         """
         self._blocked_on = peer
         try:
@@ -299,12 +310,14 @@ class StageComm:
                         "while it waited"
                     ) from None
 
+    @talks
     def wait_sends(self) -> None:
         """Wait until every `isend` so far has completed (their buffers may then be reused)."""
         pending, self._pending = self._pending, []
         for work, _, dst in pending:
             self.wait(work, dst)
 
+    @talks
     def send_activation(self, value: Activation, dst: int) -> None:
         """Send an activation -- one tensor, or a tuple of tensors -- of any shapes and dtypes.
 
@@ -323,6 +336,7 @@ class StageComm:
             self.isend(header.to(self.wire), dst)
             self.isend(tensor.detach(), dst)
 
+    @talks
     def recv_activation(self, src: int) -> Activation:
         """Receive an activation sent with `send_activation`.
 
@@ -332,13 +346,14 @@ class StageComm:
         tensors: list[torch.Tensor] = []
         count = 1
         first_size: int | None = None
+        budget = ReceiveBudget(self.device)  # one for the whole tuple
         while len(tensors) < count:
             empty = torch.empty(ACTIVATION_HEADER_LEN, dtype=torch.int64, device=self.wire)
             meta = self.recv(empty, src).tolist()
             shape, dtype, size, grad = unpack_activation_header(meta, first_size, src)
             first_size = size
             buffer = empty_received(
-                shape, dtype, self.device, f"an activation header from rank {src}"
+                shape, dtype, self.device, f"an activation header from rank {src}", budget
             )
             tensor = self.recv(buffer, src)
             tensors.append(tensor.requires_grad_(grad))
@@ -347,12 +362,14 @@ class StageComm:
 
     # -- the side group (host memory, another thread) ----------------------------------
 
+    @talks
     def side_isend(self, tensors: list[torch.Tensor], dst: int) -> list[dist.Work]:
         """Start sending CPU ``tensors`` to ``dst`` over the side group; wait on the result."""
         if self._side is None:
             raise RuntimeError("no side group in this generation (closed, or not requested)")
         return [self._side.send([t.contiguous()], self._index[dst], 0) for t in tensors]
 
+    @talks
     def side_recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Receive into CPU ``tensor`` from ``src`` over the side group, blocking."""
         if self._side is None:
@@ -360,6 +377,7 @@ class StageComm:
         self._side.recv([tensor], self._index[src], 0).wait()
         return tensor
 
+    @talks
     def side_wait(self, works: list[dist.Work]) -> None:
         """Wait for `side_isend`'s works."""
         for work in works:
@@ -367,26 +385,28 @@ class StageComm:
 
     # -- collectives -----------------------------------------------------------------------
 
+    @talks
     def allreduce_stage(self, tensor: torch.Tensor) -> Waitable | None:
         """Start a sum all-reduce of ``tensor`` across this stage's replicas (None if alone).
 
         Raises:
-            RuntimeError: if the groups were closed (never silently skip the reduction).
+            CommError: if the groups were closed (never silently skip the reduction).
         """
         if self.closed:
-            raise RuntimeError("process group used after close()")
+            raise CommError("process group used after close()")
         if self._stage is None:
             return None
         return self._collective_on(tensor, self._stage.allreduce)
 
+    @talks
     def broadcast_stage(self, tensor: torch.Tensor, root: int) -> None:
         """Overwrite ``tensor`` with replica ``root``'s, across this stage's replicas; blocks.
 
         Raises:
-            RuntimeError: if the groups were closed, or a peer died.
+            CommError: if the groups were closed, or a peer died.
         """
         if self.closed:
-            raise RuntimeError("process group used after close()")
+            raise CommError("process group used after close()")
         if self._stage is None:
             return
         opts = dist.BroadcastOptions()
@@ -395,32 +415,34 @@ class StageComm:
         stage = self._stage
         self.wait(self._collective_on(tensor, lambda ts: stage.broadcast(ts, opts)))
 
+    @talks
     def allreduce_tied(self, tensor: torch.Tensor) -> Waitable:
         """Start a sum all-reduce of ``tensor`` over the holders of this worker's tied parameters.
 
         Raises:
-            RuntimeError: if the groups were closed or this worker holds no tied parameters.
+            CommError: if the groups were closed or this worker holds no tied parameters.
         """
         if self.closed or self._tied is None:
             raise RuntimeError("no tied group in this generation (closed, or nothing shared)")
         return self._collective_on(tensor, self._tied.allreduce)
 
+    @talks
     def barrier(self) -> None:
         """Block until every worker of the generation reaches this point."""
         self.wait(self.world.allreduce([torch.zeros(1, device=self.wire)]))
 
+    @talks
     def exchange(self, row: Sequence[float]) -> dict[int, tuple[float, ...]]:
         """Every worker's ``row`` (all of one length, float64 on the wire), by global rank;
         blocks. On the calling thread, over the generation's own TCP connections, not a
         process group: see [Note: the vote's own connections] in parallelism/commit_vote.py.
 
         Raises:
-            RuntimeError: if the groups were closed.
-            ConnectionError: a peer died, or the groups were closed meanwhile.
+            CommError: a peer died, or the groups were closed (before or meanwhile).
         """
         vote = self._vote
         if vote is None:
-            raise RuntimeError("process group used after close()")
+            raise CommError("process group used after close()")
         self._blocked_on = -1
         try:
             rows = vote.allgather(row, self._collective_timeout)

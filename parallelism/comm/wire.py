@@ -8,19 +8,33 @@ collective's result back when it is waited on. An activation travels as a small 
 (`pack_activation_header`) and its tensor; a header that is not one this runtime sends
 (`unpack_activation_header`), or a tensor that cannot be allocated (`empty_received`),
 is a `GarbledMessage`, a communication error like a lost peer.
+
+[Note: what a received message may allocate]
+A receiver allocates what a peer announces before the bytes arrive, so an announcement is
+checked twice before memory is taken for it: each tensor against its own bounds (the
+header's checks), and every tensor of one message -- a state description, a peer copy,
+a mirror update, an activation tuple -- against one `ReceiveBudget`: the whole memory of
+the device it lands on (`message_budget`). Each tensor in bounds is not enough: a garbled
+or hostile header could announce many, and the allocator's laziness (pages are only
+taken when written) would let the receive run until the kernel kills the worker.
+`empty_received` is the one way a receive path allocates an announced size.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import math
+import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from parallelism.errors import CommError
 
-class GarbledMessage(ConnectionError):
+
+class GarbledMessage(CommError):
     """Bytes from a peer that are not a message this runtime sends: a header out of bounds
     or that does not decode (what a receive buffer holds after the sender aborted
     mid-message, or what a stranger sends). A communication error, like a lost peer."""
@@ -47,17 +61,64 @@ MAX_TUPLE = 64  # tensors in one activation
 _MAX_ELEMENTS = 1 << 36  # elements in one activation tensor (256 GiB of float32)
 
 
+@functools.cache
+def _device_memory(kind: str, index: int | None) -> int:
+    if kind == "cuda":
+        at = torch.cuda.current_device() if index is None else index
+        return int(torch.cuda.get_device_properties(at).total_memory)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def message_budget(device: torch.device) -> int:
+    """The most bytes one received message may announce for tensors landing on ``device``:
+    its whole memory (host memory for anything but CUDA). See [Note: what a received
+    message may allocate]."""
+    return _device_memory(device.type, device.index)
+
+
+class ReceiveBudget:
+    """What the tensors of one received message may still take on ``device`` (see [Note:
+    what a received message may allocate]); `empty_received` draws on it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.left = message_budget(device)
+
+    def take(self, nbytes: int, what: str) -> None:
+        """Take ``nbytes`` for one more tensor of the message.
+
+        Raises:
+            GarbledMessage: if the message would then announce more than the budget.
+        """
+        if nbytes > self.left:
+            raise GarbledMessage(
+                f"{what} announces {nbytes} more bytes with {self.left} left of this "
+                f"message's budget ({message_budget(self.device)} bytes, {self.device}'s "
+                "memory): a garbled header"
+            )
+        self.left -= nbytes
+
+
 def empty_received(
-    shape: list[int] | tuple[int, ...], dtype: torch.dtype, device: torch.device, what: str
+    shape: list[int] | tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    what: str,
+    budget: ReceiveBudget,
 ) -> torch.Tensor:
     """An uninitialised tensor for what a received header announces (already checked
-    against its bounds).
+    against its own bounds), drawn on the message's ``budget`` first: the one way a
+    receive allocates an announced size ([Note: what a received message may allocate]).
 
     Raises:
-        GarbledMessage: if it cannot be allocated: in bounds is not the same as possible
-            (a garbled header can still ask for hundreds of GiB), and a failed allocation
-            would otherwise read as a bug in user code and end the job.
+        GarbledMessage: for a shape that is not a list of non-negative integers, one over
+            what is left of ``budget``, or one that cannot be allocated: in bounds is not
+            the same as possible, and a failed allocation would otherwise read as a bug in
+            user code and end the job.
     """
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise GarbledMessage(f"{what} announces a tensor of shape {list(shape)}")
+    budget.take(math.prod(shape) * dtype.itemsize, what)
     try:
         return torch.empty(shape, dtype=dtype, device=device)
     except (RuntimeError, MemoryError) as err:

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallelism.comm import GarbledMessage, StageComm, empty_received
+from parallelism.comm import GarbledMessage, ReceiveBudget, StageComm, empty_received
 from recovery.errors import TransferCorrupted
 from recovery.integrity.fingerprint import digest, flip_one
 from recovery.state import Progress, WorkerState, describe_entry, entry_from, tensor_meta
@@ -230,10 +230,10 @@ class ProcessGroupTransport(StateTransport):
             raise RuntimeError(f"state from rank {src}: {err}") from None
         # Allocate every destination first, then post all receives at once so that the bytes
         # stream without a round trip per tensor. Model tensors are received in place.
-        device = comm.device
+        budget = ReceiveBudget(comm.device)  # the model's tensors are the receiver's own
         with _reading(src):
             opt_state = state.optimizer_state(
-                meta, lambda shape, dtype: _empty(shape, dtype, device), targets
+                meta, lambda shape, dtype: _empty(shape, dtype, budget), targets
             )
         header += self._receive(src, meta, targets)
         with _reading(src):
@@ -302,12 +302,12 @@ def recv_named(
         TransferCorrupted: if what arrived differs from the sender's digests.
     """
     meta, header = recv_header(comm, src)
+    budget = ReceiveBudget(comm.device)
     with _reading(src):
-        device = comm.device
-        state = {str(k): _empty(shape, dtype, device) for k, shape, dtype in meta["model"]}
+        state = {str(k): _empty(shape, dtype, budget) for k, shape, dtype in meta["model"]}
         targets = list(state.values())
         moments = {
-            str(name): entry_from(entry, lambda shape, dtype: _empty(shape, dtype, device), targets)
+            str(name): entry_from(entry, lambda shape, dtype: _empty(shape, dtype, budget), targets)
             for name, entry in meta["moments"].items()
         }
     comm.recv_many(targets, src)
@@ -315,11 +315,14 @@ def recv_named(
     return state, moments, header + sum(t.numel() * t.element_size() for t in targets)
 
 
-def _empty(shape: object, dtype: object, device: torch.device) -> torch.Tensor:
-    """An uninitialised tensor of a received shape and dtype, checked first.
+def _empty(shape: object, dtype: object, budget: ReceiveBudget) -> torch.Tensor:
+    """An uninitialised tensor of a received shape and dtype on ``budget``'s device,
+    checked first (see [Note: what a received message may allocate] in
+    parallelism/comm/wire.py).
 
     Raises:
-        GarbledMessage: for a shape or dtype out of bounds, or one that cannot be allocated.
+        GarbledMessage: for a shape or dtype out of bounds, one over the message's budget,
+            or one that cannot be allocated.
     """
     size, kind = tensor_spec(shape, dtype)
-    return empty_received(size, kind, device, "a state description")
+    return empty_received(size, kind, budget.device, "a state description", budget)

@@ -8,8 +8,9 @@ the transfer's description -- its host, its pid, and the address and size of eac
 it sends -- and waits; the receiver copies every tensor out of the sender's address space
 into its own with one ``process_vm_readv`` call (Linux cross-memory attach, what MPI
 libraries use between ranks on a node: a single copy, no buffer in between), then
-answers over the process group, `TAKEN` -- or `DECLINED` (another host, or a kernel or
-container that does not allow the call), and the tensors follow over Gloo as before.
+answers over the process group, `TAKEN` -- or `DECLINED` (another host, an offer it has no
+reason to trust, a read that fails, or a kernel or container that does not allow the call:
+[Note: what a same-host receiver trusts]), and the tensors follow over Gloo as before.
 What arrives is checked against the sender's digests either way ([Note: checked
 transfers] in recovery/transport/process_group.py). `SameHostTransport` is the process-group
 transport with this in place of its tensor sends: it offers whenever it can (Gloo, CPU
@@ -38,22 +39,45 @@ receiver already has (a warm memcpy there: ~14 ms). `scripts/bench.py recovery` 
 the transfer rate against a memcpy of the same bytes.
 
 Nothing is shared, so nothing can be left behind: a sender killed mid-transfer takes its
-memory with it, and the receiver's read fails (``ESRCH``, or a short read), which is a
-lost connection -- the runtime retries from another source. A receiver killed mid-read
-leaves the sender waiting for an answer that never comes: a lost peer, as over Gloo.
+memory with it, and the receiver's read fails (``ESRCH``, or a short read); it declines,
+and the process group then finds the sender gone -- a lost connection, and the runtime
+retries from another source. A receiver killed mid-read leaves the sender waiting for an
+answer that never comes: a lost peer, as over Gloo.
 
-An offer is input from a peer like any other: its sizes must match the receiver's own
-tensors, which the transfer's description already checked; an address the sender does
-not map fails the read (``EFAULT``, a communication error), and one it does map yields
-bytes that the digest check refuses.
+[Note: what a same-host receiver trusts]
+An offer is input from a peer like any other, and reading another process's memory is
+only sound if the pid is the sender's. So the receiver copies nothing unless all of
+these hold, and otherwise declines -- the bytes then come over the process group, from
+the peer it is connected to, and are checked against the digests as ever:
+
+- the same host (host name and boot id) and the same *pid namespace* (``/proc/self/ns/pid``,
+  carried in the offer): containers with host networking share the first two, and a pid
+  of another namespace names another process here;
+- the pid holds the offer's *proof*: every offer carries a fresh random 16-byte nonce and
+  the address where the sender wrote it, and the receiver reads those 16 bytes out of the
+  named pid first (``hmac.compare_digest``). The offer arrived over the connection to the
+  sending rank, so only a process that rank controls holds the nonce there: a wrong or
+  stale pid (another process, a fork of the sender made before the offer) is declined
+  before any tensor is read. Nothing is learnt from the membership: the proof needs no
+  pid table to stay current across generations, and works for workers in threads of one
+  process alike;
+- the regions fit the receiver's tensors (the sizes its description already checked),
+  and every read succeeds: ``ESRCH``, ``EFAULT``, a short read of nothing -- any failure,
+  even after some pieces landed -- declines this offer; ``EPERM``, ``EACCES`` or
+  ``ENOSYS`` (a kernel or container that forbids the call) decline every later one too.
+
+What a read copies is still hashed and checked against the sender's digests, so an
+address the sender maps but did not mean yields bytes that the check refuses.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import hmac
 import logging
 import os
+import secrets
 import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -63,7 +87,6 @@ from typing import Any
 import torch
 import xxhash
 
-from parallelism.comm import GarbledMessage
 from recovery.integrity.fingerprint import raw_bytes
 from recovery.transport.process_group import ProcessGroupTransport, check_digests
 from recovery.wire import recv_header, send_header
@@ -105,6 +128,20 @@ def _host() -> str:
 HOST = _host()
 
 
+def _pid_namespace() -> str:
+    """This process's pid namespace (``pid:[inode]``): two processes agree on what a pid
+    names only within one."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return "?"
+
+
+PID_NAMESPACE = _pid_namespace()
+
+_PROOF_BYTES = 16
+
+
 class _IoVec(ctypes.Structure):
     _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
 
@@ -127,6 +164,17 @@ _refused: list[str] = []
 """Why the kernel refused a read once (then this process stops trying)."""
 
 
+class _Offer(dict[str, Any]):
+    """An offer (a plain dict on the wire) that keeps its proof's buffer alive as long as
+    the offer itself is."""
+
+    proof: Any = None
+
+
+class _Declined(Exception):
+    """Why this offer is not taken (the bytes then come over the process group)."""
+
+
 def usable() -> bool:
     """Whether this process can take an offer (the call exists and was never refused)."""
     return _READV is not None and not _refused
@@ -134,43 +182,81 @@ def usable() -> bool:
 
 def offer(tensors: Sequence[torch.Tensor]) -> dict[str, Any] | None:
     """The offer for ``tensors`` (CPU, contiguous, kept alive and unchanged by the caller
-    until the receiver answers), or None if they cannot be offered."""
+    until the receiver answers), or None if they cannot be offered. The caller keeps the
+    returned object itself alive until then too: it holds the offer's proof (see [Note:
+    what a same-host receiver trusts])."""
     if _READV is None or not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
         return None
-    regions = [[t.data_ptr(), t.numel() * t.element_size()] for t in tensors]
-    return {"host": HOST, "pid": os.getpid(), "regions": regions}
+    nonce = secrets.token_bytes(_PROOF_BYTES)
+    proof = ctypes.create_string_buffer(nonce, _PROOF_BYTES)
+    made = _Offer(
+        host=HOST,
+        pidns=PID_NAMESPACE,
+        pid=os.getpid(),
+        proof=[ctypes.addressof(proof), nonce.hex()],
+        regions=[[t.data_ptr(), t.numel() * t.element_size()] for t in tensors],
+    )
+    made.proof = proof
+    return made
 
 
-def _lost(src: int, why: str) -> ConnectionError:
-    return ConnectionError(f"same-host connection to rank {src} lost: {why}")
+def _checked(made: object, targets: Sequence[torch.Tensor]) -> tuple[int, list[Any]]:
+    """The pid and regions of an offer this receiver may read, its proof checked in the
+    named process (see [Note: what a same-host receiver trusts]).
+
+    Raises:
+        _Declined: naming what does not hold.
+    """
+    if not isinstance(made, dict):
+        raise _Declined(f"an offer that is not a dict ({type(made).__name__})")
+    if made.get("host") != HOST:
+        raise _Declined(f"another host ({made.get('host')!r})")
+    if made.get("pidns") != PID_NAMESPACE or PID_NAMESPACE == "?":
+        raise _Declined(f"another pid namespace ({made.get('pidns')!r}, here {PID_NAMESPACE})")
+    if not usable():
+        raise _Declined("this process cannot read another's memory")
+    try:
+        pid = int(made["pid"])
+        address, nonce = int(made["proof"][0]), bytes.fromhex(made["proof"][1])
+        regions = [(int(a), int(size)) for a, size in made["regions"]]
+    except (KeyError, IndexError, TypeError, ValueError) as err:
+        raise _Declined(f"an offer that does not decode ({err!r})") from None
+    sizes = [t.numel() * t.element_size() for t in targets]
+    if pid <= 0 or len(nonce) != _PROOF_BYTES or address <= 0:
+        raise _Declined("an offer without a pid or a proof")
+    if [n for _, n in regions] != sizes or any(a <= 0 < n for a, n in regions):
+        raise _Declined(f"an offer of {len(regions)} regions that does not fit the state")
+    found = ctypes.create_string_buffer(_PROOF_BYTES)
+    _read(pid, [(address, _PROOF_BYTES, ctypes.addressof(found))])
+    if not hmac.compare_digest(found.raw, nonce):
+        raise _Declined(f"pid {pid} does not hold the offer's proof (not the sender)")
+    return pid, regions
 
 
-def read_offer(made: dict[str, Any], targets: Sequence[torch.Tensor], src: int) -> list[str] | None:
+def read_offer(made: object, targets: Sequence[torch.Tensor], src: int) -> list[str] | None:
     """The receiver's side: copy an offer's tensors into ``targets`` and return the digest
     of each one's bytes as it landed (`recovery.integrity.fingerprint.digest`'s), for the caller to
-    check against the sender's. Returns None when the copy cannot be made here (another
-    host, or the kernel refuses cross-memory reads): the tensors must then come over the
-    process group.
+    check against the sender's. Returns None -- the tensors must then come over the process
+    group -- when the offer is not one to trust or the copy fails (see [Note: what a
+    same-host receiver trusts]); ``targets`` may then hold part of a copy.
 
     Helper threads (`READERS`) copy batches of whole tensors in turn, `CHUNK_BYTES` at a
     time, and hash each piece right after it lands, while it is still in the cache: both
     run without the GIL (the copy in the kernel, XXH3 in C). Nothing is read after this
     returns.
-
-    Raises:
-        ConnectionError: the sender is gone or the offer does not fit ``targets`` (a
-            communication error either way, like a lost peer).
     """
-    if made.get("host") != HOST or not usable():
-        return None
     try:
-        pid = int(made["pid"])
-        regions = [(int(address), int(size)) for address, size in made["regions"]]
-    except (KeyError, TypeError, ValueError) as err:
-        raise _lost(src, f"an offer that does not decode ({err!r})") from None
-    sizes = [t.numel() * t.element_size() for t in targets]
-    if pid <= 0 or [n for _, n in regions] != sizes or any(a <= 0 < n for a, n in regions):
-        raise _lost(src, f"an offer of {len(regions)} regions that does not fit the state")
+        return _copy(made, targets)
+    except _Declined as why:
+        # Another host is the common case, and a kernel that refuses was said once.
+        if isinstance(made, dict) and made.get("host") == HOST and usable():
+            log.warning("a same-host offer from rank %d declined, over Gloo instead: %s", src, why)
+        return None
+
+
+def _copy(made: object, targets: Sequence[torch.Tensor]) -> list[str]:
+    """`read_offer`'s copy. Raises `_Declined` if it is not made."""
+    pid, regions = _checked(made, targets)
     staged = [
         t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
         for t in targets
@@ -180,7 +266,7 @@ def read_offer(made: dict[str, Any], targets: Sequence[torch.Tensor], src: int) 
     digests: list[str] = [""] * len(targets)
     readers = max(1, min(READERS, len(batches)))
     stop = threading.Event()
-    outcome: list[BaseException | None] = []  # None: the kernel refused the read
+    outcome: list[BaseException] = []
 
     def reader(first: int) -> None:
         try:
@@ -188,10 +274,7 @@ def read_offer(made: dict[str, Any], targets: Sequence[torch.Tensor], src: int) 
                 for piece in _pieces(batches[k], regions, staged, hashers):
                     if stop.is_set():
                         return
-                    if not _read(pid, [(a, n, dst) for a, n, dst, _ in piece], src):
-                        outcome.append(None)  # refused: only ever on a first read
-                        stop.set()
-                        return
+                    _read(pid, [(a, n, dst) for a, n, dst, _ in piece])
                     for *_, hashing in piece:
                         hashing()
                 for i in batches[k]:
@@ -211,11 +294,11 @@ def read_offer(made: dict[str, Any], targets: Sequence[torch.Tensor], src: int) 
         for thread in threads:
             if thread.ident is not None:
                 thread.join()
-    for failed in outcome:
-        if failed is not None:
+    for failed in outcome:  # a decline first: another reader may have failed for its sake
+        if isinstance(failed, _Declined):
             raise failed
-    if outcome:
-        return None
+    for failed in outcome:
+        raise failed
     for target, landed in zip(targets, staged, strict=True):
         if landed is not target:
             target.copy_(landed)
@@ -262,9 +345,13 @@ def _pieces(
         yield piece
 
 
-def _read(pid: int, jobs: list[tuple[int, int, int]], src: int) -> bool:
+def _read(pid: int, jobs: list[tuple[int, int, int]]) -> None:
     """One ``process_vm_readv`` of ``(remote address, size, local address)`` jobs, resumed
-    after short reads. Returns False if the kernel does not allow it (see `read_offer`)."""
+    after short reads.
+
+    Raises:
+        _Declined: if the read fails (see [Note: what a same-host receiver trusts]).
+    """
     while jobs:
         n = len(jobs)
         local = (_IoVec * n)(*[_IoVec(dst, size) for _, size, dst in jobs])
@@ -272,17 +359,16 @@ def _read(pid: int, jobs: list[tuple[int, int, int]], src: int) -> bool:
         done = _READV(pid, local, n, remote, n, 0)
         if done < 0:
             code = ctypes.get_errno()
-            if code in (errno.EPERM, errno.EACCES, errno.ENOSYS):
-                if not _refused:  # said once, whichever reader met it first
-                    _refused.append(os.strerror(code))
-                    log.warning(
-                        "same-host transfers fall back to Gloo: process_vm_readv refused (%s)",
-                        os.strerror(code),
-                    )
-                return False
-            raise _lost(src, f"process_vm_readv: {os.strerror(code)}")
+            # A kernel that forbids the call: said once, whichever reader met it first.
+            if code in (errno.EPERM, errno.EACCES, errno.ENOSYS) and not _refused:
+                _refused.append(os.strerror(code))
+                log.warning(
+                    "same-host transfers fall back to Gloo: process_vm_readv refused (%s)",
+                    os.strerror(code),
+                )
+            raise _Declined(f"process_vm_readv of pid {pid}: {os.strerror(code)}")
         if done == 0:
-            raise _lost(src, "process_vm_readv read nothing (the sender is gone)")
+            raise _Declined(f"process_vm_readv of pid {pid} read nothing")
         while done:  # drop what was read; a short read stops at a region boundary or in one
             address, size, dst = jobs[0]
             if done >= size:
@@ -291,7 +377,6 @@ def _read(pid: int, jobs: list[tuple[int, int, int]], src: int) -> bool:
             else:
                 jobs[0] = (address + done, size - done, dst + done)
                 done = 0
-    return True
 
 
 class SameHostTransport(ProcessGroupTransport):
@@ -334,8 +419,6 @@ class SameHostTransport(ProcessGroupTransport):
         made = meta.get("same_host")
         if made is None:
             return super()._receive(src, meta, targets)
-        if not isinstance(made, dict):
-            raise GarbledMessage(f"a state description from rank {src} with a bad offer")
         got = read_offer(made, targets, src)  # hashed as they land
         meta["digests"], size = recv_header(self.comm, src)
         self.comm.isend(torch.tensor([DECLINED if got is None else TAKEN]), src)

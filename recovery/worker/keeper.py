@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import torch
 
-from parallelism.comm import GarbledMessage, StageComm
+from parallelism.comm import GarbledMessage, ReceiveBudget, StageComm, empty_received
 from recovery.snapshots import (
     DurableStore,
     PackedState,
@@ -202,9 +202,10 @@ class SnapshotKeeper:
         sizes = torch.tensor([header.numel(), own.nbytes], dtype=torch.int64)
         try:
             works = comm.side_isend([sizes, header, own.data], buddy)
-            theirs = _checked_sizes(comm.side_recv(torch.empty(2, dtype=torch.int64), ward), ward)
-            their_header = comm.side_recv(torch.empty(int(theirs[0]), dtype=torch.uint8), ward)
-            data = comm.side_recv(torch.empty(int(theirs[1]), dtype=torch.uint8), ward)
+            sized = comm.side_recv(torch.empty(2, dtype=torch.int64), ward)
+            their_header, data = _buffers(sized, torch.device("cpu"), ward)
+            comm.side_recv(their_header, ward)
+            comm.side_recv(data, ward)
             copy = PackedState.from_parts(their_header.numpy().tobytes(), data)
             with self._lock:  # the ward's copy is whole, whatever becomes of ours
                 if round_ == self._round:  # (an exchange given up keeps nothing)
@@ -237,10 +238,10 @@ class SnapshotKeeper:
 
     def receive(self, comm: StageComm, src: int) -> PackedState:
         """The packed copy that ``src`` sends (`send`), on the CPU."""
-        sizes = comm.recv(torch.empty(2, dtype=torch.int64, device=comm.wire), src).cpu()
-        sizes = _checked_sizes(sizes, src)
-        header = comm.recv(torch.empty(int(sizes[0]), dtype=torch.uint8, device=comm.wire), src)
-        data = comm.recv(torch.empty(int(sizes[1]), dtype=torch.uint8, device=comm.wire), src)
+        sizes = comm.recv(torch.empty(2, dtype=torch.int64, device=comm.wire), src)
+        header, data = _buffers(sizes, comm.wire, src)
+        comm.recv(header, src)
+        comm.recv(data, src)
         return PackedState.from_parts(header.cpu().numpy().tobytes(), data.cpu())
 
     # -- the durable tier ----------------------------------------------------------------
@@ -288,9 +289,16 @@ def _holds(peer: PeerSnapshots, step: int, rank: int, packed: PackedState) -> bo
         return False
 
 
-def _checked_sizes(sizes: torch.Tensor, src: int) -> torch.Tensor:
-    """A peer copy's announced (header, data) sizes, checked before they are allocated."""
+def _buffers(sizes: torch.Tensor, device: torch.device, src: int) -> tuple[torch.Tensor, ...]:
+    """The buffers for a peer copy's announced (header, data) sizes, checked before they are
+    allocated: each in its bounds, both within one message's budget.
+
+    Raises:
+        GarbledMessage: for sizes out of bounds or over the budget.
+    """
     header, data = (int(v) for v in sizes.tolist())
+    what = f"a peer copy of {header} + {data} bytes announced by rank {src}"
     if not (0 < header <= MAX_HEADER_BYTES and 0 <= data <= MAX_TENSOR_BYTES):
-        raise GarbledMessage(f"a peer copy of {header} + {data} bytes announced by rank {src}")
-    return sizes
+        raise GarbledMessage(what)
+    budget = ReceiveBudget(device)
+    return tuple(empty_received((n,), torch.uint8, device, what, budget) for n in (header, data))

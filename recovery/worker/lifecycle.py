@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from parallelism.comm import Rendezvous, StageComm
+from parallelism.comm import CommError, Rendezvous, StageComm
 from parallelism.devices import compute_device, deterministic_cuda
 from parallelism.engine import StageEngine, drop_kept_buffers
 from parallelism.schedule import build_schedule, forward_only, swapped_routes
@@ -225,7 +225,7 @@ class WorkerLifecycle:
         self.joining = generation
         self.forming = threading.Event()
         if generation <= self.abandoned:  # the abort came first (see `abort`)
-            raise RuntimeError(
+            raise CommError(
                 f"gloo group formation abandoned: generation {generation} was given up "
                 "before this worker began to join it"
             )

@@ -9,32 +9,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from parallelism.comm import GarbledMessage
+import torch.distributed as dist
+
+from parallelism.comm import CommError
 from parallelism.engine import StepStats
 
 __all__ = ["StepReport", "WorkerInfo", "is_comm_error"]
 
-# Substrings by which a backend error reveals a dead or departed peer, as opposed to a
-# bug in user code (which must stop the job, not trigger recovery).
-_COMM_ERROR_MARKERS = (
-    "gloo",
-    "nccl",
-    "connection",
-    "timed out",
-    "timeout",
-    "process group used after close",
-    "broken pipe",
-)
-
 
 def is_comm_error(exc: BaseException) -> bool:
-    """Whether ``exc`` is a communication failure (a peer died) rather than a user error."""
-    if isinstance(exc, GarbledMessage):  # what a peer that aborted mid-message leaves
-        return True
-    text = f"{type(exc).__name__}: {exc}".lower()
-    return isinstance(exc, RuntimeError | ConnectionError | OSError) and any(
-        marker in text for marker in _COMM_ERROR_MARKERS
-    )
+    """Whether ``exc`` is a communication failure (a peer died or left, its bytes were
+    garbled, this worker's groups were torn down) rather than an error of the user's code
+    or the runtime's, which must stop the job, not trigger recovery.
+
+    By type, never by what the message says ([Note: communication errors are marked at
+    the source] in parallelism/errors.py): a `CommError` (a `GarbledMessage` included),
+    marked by the call that talked to peers, or c10d's own ``DistError``, which only
+    ``torch.distributed`` raises. A user's ``OSError("Connection reset")`` is the user's,
+    as is every error a callback raises (`recovery.errors.CallbackError`).
+    """
+    return isinstance(exc, CommError | dist.DistError)
 
 
 @dataclass

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallelism.comm import Rendezvous, StageComm
+from parallelism.comm import ReceiveBudget, Rendezvous, StageComm, empty_received
 from parallelism.engine import StepStats
 from parallelism.spec import TrainSpec
 from parallelism.topology import Topology
@@ -278,10 +278,13 @@ class TableWorker(StageWorker):
         for t in parts:
             self._isend_sized(t, self.buddy)
         theirs = self.comm.recv(torch.empty(3, dtype=torch.int64), self.ward)
-        updated, counts, sent_rows = (self._recv_sized(self.ward, torch.int64) for _ in range(3))
+        budget = ReceiveBudget(torch.device("cpu"))  # one for the whole update
+        updated, counts, sent_rows = (
+            self._recv_sized(self.ward, torch.int64, budget) for _ in range(3)
+        )
         dim = self.table.config.embedding_dim
-        values = self._recv_sized(self.ward, shard.weight.dtype).view(-1, dim)
-        state = self._recv_sized(self.ward, torch.float32)
+        values = self._recv_sized(self.ward, shard.weight.dtype, budget).view(-1, dim)
+        state = self._recv_sized(self.ward, torch.float32, budget)
         self.comm.wait_sends()
         self._incoming = MirrorUpdate(
             shard=int(theirs[0]),
@@ -304,10 +307,15 @@ class TableWorker(StageWorker):
         if flat.numel():
             self.comm.isend(flat, dst)
 
-    def _recv_sized(self, src: int, dtype: torch.dtype) -> torch.Tensor:
+    def _recv_sized(self, src: int, dtype: torch.dtype, budget: ReceiveBudget) -> torch.Tensor:
+        """What `_isend_sized` sent: its length, checked and drawn on ``budget``, then it.
+
+        Raises:
+            GarbledMessage: for a length out of bounds or over the budget.
+        """
         assert self.comm is not None
         n = int(self.comm.recv(torch.empty(1, dtype=torch.int64), src))
-        out = torch.empty(n, dtype=dtype)
+        out = empty_received((n,), dtype, budget.device, f"a mirror update from rank {src}", budget)
         return self.comm.recv(out, src) if n else out
 
     def seed_mirror(self, send: bool = True, receive: bool = True) -> int:

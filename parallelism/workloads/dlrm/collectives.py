@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from parallelism.checks import check_positive_int
+from parallelism.errors import talks
 
 __all__ = ["Collective", "LocalGroup", "ProcessGroupCollective"]
 
@@ -105,7 +106,8 @@ class ProcessGroupCollective:
     ``group`` is a backend process group (``ProcessGroupGloo`` or ``ProcessGroupNCCL``)
     used directly, as `parallelism.comm.StageComm` builds them: ``alltoall_base`` for the
     exchange (sizes first, then the data) and ``allreduce`` for the sums. Every wait is
-    bounded by ``timeout``; a dead peer surfaces as the backend's ``RuntimeError``.
+    bounded by ``timeout``; a dead peer surfaces as a `parallelism.errors.CommError` (the
+    backend's error its cause).
     """
 
     def __init__(self, group: Any, *, timeout: datetime.timedelta) -> None:
@@ -114,6 +116,7 @@ class ProcessGroupCollective:
         self.world_size = int(group.size())
         self.timeout = timeout
 
+    @talks
     def all_to_all(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         w = self.world_size
         if len(tensors) != w:
@@ -134,6 +137,7 @@ class ProcessGroupCollective:
         self._wait(self.group.alltoall_base(recv, send, splits_in, send_counts.tolist(), opts))
         return list(recv.split(splits_in))
 
+    @talks
     def all_reduce_sum(self, tensor: Tensor) -> None:
         self._wait(self.group.allreduce([tensor]))
 
