@@ -58,9 +58,9 @@ class _Renamed(argparse.Action):
         parser.error(f"{option_string} is now {self.renamed}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The program's flags."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+def add_job_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of the embedding study's job, shared with ``embedding-runtime``: the DLRM
+    preset, workers, batch, steps, seeds, failures and the hot rows mirrored."""
     add = parser.add_argument
     add("--preset", default="small", help="DLRM preset: tiny or small (default small)")
     add("--workers", type=int, default=4, help="workers = shards = dense replicas (default 4)")
@@ -70,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--failures", type=int, default=6, help="worker deaths per run (default 6)")
     add("--failure-seed", type=int, default=0, help="seeds the failure schedule (default 0)")
     add("--hot-rows", type=int, default=4096, help="MFU rows mirrored every step, per shard")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The program's flags."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    add = parser.add_argument
+    add_job_flags(parser)
     add("--mirror-every", type=int, default=100, help="steps between full mirror syncs")
     add("--pls-budget", type=float, default=0.05, help="partial recovery's PLS budget")
     add(

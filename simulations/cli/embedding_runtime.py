@@ -50,6 +50,7 @@ from recovery import FitResult, MirrorPolicy, RecoveryPolicy, SnapshotPolicy, Tr
 from recovery.cli.help import HelpFormatter
 from recovery.faults import FailureSchedule
 from recovery.names import Strategy
+from simulations.cli.embedding_experiment import add_job_flags
 from simulations.embedding import failure_schedule
 
 NEVER = 10**9
@@ -148,14 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The program's flags."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add = parser.add_argument
-    add("--preset", default="small", help="DLRM preset: tiny or small (default small)")
-    add("--workers", type=int, default=4, help="workers = shards = dense replicas (default 4)")
-    add("--batch-size", type=int, default=256, help="samples per worker per step (default 256)")
-    add("--steps", type=int, default=1500, help="committed steps per run (default 1500)")
-    add("--seed", type=int, default=0, help="seeds weights, data and planted truth (default 0)")
-    add("--failures", type=int, default=6, help="worker deaths per run (default 6)")
-    add("--failure-seed", type=int, default=0, help="seeds the failure schedule (default 0)")
-    add("--hot-rows", type=int, default=4096, help="MFU rows mirrored every step, per shard")
+    add_job_flags(parser)
     add("--mirror-every", type=int, default=100, help="steps between full mirror copies")
     add("--pls-budget", type=float, default=0.05, help="partial recovery's PLS budget")
     add("--heldout", type=int, default=20_000, help="held-out samples (default 20000)")
