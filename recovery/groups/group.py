@@ -266,10 +266,12 @@ class WorkerGroup(abc.ABC):
             except Exception as exc:
                 if not is_comm_error(exc):
                     raise
-                first = str(exc).strip().splitlines()
+                lines = str(exc).strip().splitlines()
+                # A Ray task error's first line names the call; its last one, the cause.
+                cause = f" ... {lines[-1][:300]}" if len(lines) > 1 else ""
                 out.broken[key] = (
                     call.rank,
-                    f"{type(exc).__name__}: {first[0][:300] if first else ''}",
+                    f"{type(exc).__name__}: {lines[0][:300] if lines else ''}{cause}",
                 )
         return out
 
