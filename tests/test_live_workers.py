@@ -17,6 +17,7 @@ import pytest
 
 from parallelism import Topology
 from parallelism.comm import Rendezvous
+from parallelism.comm.rendezvous import host_store
 from recovery import Kill, RecoveryPolicy, SnapshotPolicy
 from recovery.runtime import Phase
 from recovery.worker import StageWorker, is_comm_error
@@ -90,6 +91,28 @@ def test_an_abort_that_overtakes_the_join_gives_that_generation_up() -> None:
     assert not worker.forming.is_set()
     worker.abort(generation=5)
     assert worker.forming.is_set()
+
+
+def test_an_abort_of_an_ended_job_does_not_give_up_the_next_jobs_generation() -> None:
+    # A formation failed; the controller's aborts were on their way when that job ended and
+    # its worker was reset and parked. Taken by the next job, the worker must still join
+    # that job's generation 0 (found by clean-ci: a whole job failed to start, every rank
+    # reporting "gloo group formation abandoned").
+    worker = StageWorker()
+    worker.setup(mlp_spec(), Topology(2, 1), 0, "gloo")
+    ended = Rendezvous("127.0.0.1", 1, "gen0", 60.0, job="ended")
+    worker.abort(generation=0, job="ended")
+    with pytest.raises(RuntimeError, match="abandoned"):
+        worker.join(0, ended, "127.0.0.1")
+    worker.reset()
+    worker.abort(generation=0, job="ended")  # a second one, arriving after the reset
+    worker.setup(mlp_spec(), Topology(1, 1), 0, "gloo")
+    store = host_store("127.0.0.1")
+    worker.join(0, Rendezvous("127.0.0.1", store.port, "gen0", 20.0, job="next"), "127.0.0.1")
+    assert worker.comm is not None and worker.generation == 0
+    worker.abort(generation=0, job="ended")  # nor does a late one touch the joined groups
+    assert worker.comm is not None
+    worker.reset()
 
 
 def _stage_wiped_and_a_buddy(top: Topology) -> tuple[list[Kill], dict[int, int]]:

@@ -25,6 +25,8 @@ class Rendezvous:
     prefix: str
     timeout_s: float = 60.0
     """Joining: the store's timeout, and so how long forming the groups may take."""
+    job: str = ""
+    """The job whose generation this is (`WorkerGroup.job`): an abort names it too."""
     collective_s: float | None = None
     """The process groups' own timeout (c10d's), a backstop above the controller's hang
     detection (see docs/timeouts.md); None: ``timeout_s``."""

@@ -23,6 +23,8 @@ answered while the worker is busy in, or stuck in, a step.
 from __future__ import annotations
 
 import abc
+import functools
+import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -130,6 +132,13 @@ class WorkerGroup(abc.ABC):
     """
 
     # -- membership --------------------------------------------------------------------
+
+    @functools.cached_property
+    def job(self) -> str:
+        """A token naming this job (this group's life). Its formations and aborts carry it,
+        so a worker parked and reused by a later job ignores an abort of this job's that was
+        still on its way (see `StageWorker.abort`)."""
+        return secrets.token_hex(8)
 
     @abc.abstractmethod
     def nodes(self) -> list[str]:

@@ -78,8 +78,8 @@ def _make_remote_class(worker_cls: type[StageWorker]) -> Any:
             return StageWorker.probe(self)
 
         @ray.method(concurrency_group="control")
-        def abort(self, generation: int | None = None) -> None:
-            StageWorker.abort(self, generation)
+        def abort(self, generation: int | None = None, job: str = "") -> None:
+            StageWorker.abort(self, generation, job)
 
     Remote.__name__ = Remote.__qualname__ = f"Remote{worker_cls.__name__}"
     return ray.remote(concurrency_groups={"control": 1})(Remote)  # type: ignore[call-overload]

@@ -197,7 +197,7 @@ def abort_pending(
 
     def abort(pending: list[Call]) -> None:
         for rank in dict.fromkeys(call.rank for call in pending):
-            group.submit(rank, StageWorker.abort, generation)
+            group.submit(rank, StageWorker.abort, generation, group.job)
 
     return abort
 

@@ -284,6 +284,7 @@ class Membership:
             store.port,
             f"gen{self.generation}",
             seconds(timeout),
+            job=self.group.job,
             collective_s=seconds(self.policy.timeouts.backend_timeout),
         )
         whole = not self.missing  # a shrunk generation takes no snapshots (elastic.py)

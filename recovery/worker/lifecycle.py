@@ -58,9 +58,12 @@ class WorkerLifecycle:
         self.forming: threading.Event | None = None
         """Set by `abort` to give up the generation being formed (see
         [Note: abandoning a formation] in parallelism/comm/groups.py)."""
-        self.abandoned = -1
-        """The newest generation `abort` gave up: a ``join`` of it (or an older one) that
-        starts after the abort gives up at once."""
+        self.abandoned: dict[str, int] = {}
+        """Per job (`WorkerGroup.job`), the newest generation `abort` gave up: a ``join`` of
+        it (or an older one) that starts after the abort gives up at once. Kept across
+        jobs (the last few): an abort can reach a parked worker after its job ended."""
+        self.job = ""
+        """The job of the generation this worker last began to join."""
         self.joining = -1
         """The generation this worker last began to join."""
         self.generation = -1
@@ -222,9 +225,9 @@ class WorkerLifecycle:
         start = time.perf_counter()
         self.leave()
         self.shares = shares
-        self.joining = generation
+        self.joining, self.job = generation, rendezvous.job
         self.forming = threading.Event()
-        if generation <= self.abandoned:  # the abort came first (see `abort`)
+        if generation <= self.abandoned.get(rendezvous.job, -1):  # the abort came first
             raise CommError(
                 f"gloo group formation abandoned: generation {generation} was given up "
                 "before this worker began to join it"
@@ -271,7 +274,7 @@ class WorkerLifecycle:
         self.spec = None
         for name in ("module", "optimizer", "engine"):
             self.__dict__.pop(name, None)
-        self.generation = self.joining = self.abandoned = -1  # the next job counts afresh
+        self.generation = self.joining = -1  # the next job counts afresh
         self.progress = Progress()
         if release:
             drop_kept_buffers()

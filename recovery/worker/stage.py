@@ -77,6 +77,8 @@ _DEFAULT_WAIT = Timeouts().within("control")
 """`StageWorker.prepare_recovery`'s wait where its caller passes none."""
 _STEP_POINTS = (KillPoint.BEFORE_FORWARD, KillPoint.MID_PIPELINE, KillPoint.DURING_ALLREDUCE)
 """The kill points inside phase one (`StageWorker.run_step`)."""
+_JOBS_REMEMBERED = 8
+"""How many jobs' abandoned generations a worker remembers (see `abort`)."""
 
 
 class StageWorker(Snapshotting, StateTransfer):
@@ -402,18 +404,22 @@ class StageWorker(Snapshotting, StateTransfer):
             "idle_s": idle,
         }
 
-    def abort(self, generation: int | None = None) -> None:
+    def abort(self, generation: int | None = None, job: str = "") -> None:
         """Abandon the running step from outside it: tear down this generation's groups.
 
         Called from a control thread while ``run_step`` may be running: its next (or
         current) communication fails, and peers blocked on this worker wake up. A
         generation still being formed is given up (see [Note: abandoning a formation]);
-        ``generation``: give up forming that one (and any older) even if its ``join`` has
-        not begun here yet -- the abort can overtake the call it is meant for.
+        ``generation``: give up forming that one (and any older) of ``job`` even if its
+        ``join`` has not begun here yet -- the abort can overtake the call it is meant for.
+        An abort of another job's generation touches nothing here: it was on its way when
+        that job ended, and this worker has been parked and taken by another job since.
         """
         if generation is not None:
-            self.abandoned = max(self.abandoned, generation)
-            if self.joining > generation:  # a late abort: a newer generation is under way
+            self.abandoned[job] = max(self.abandoned.get(job, -1), generation)
+            while len(self.abandoned) > _JOBS_REMEMBERED:
+                del self.abandoned[next(iter(self.abandoned))]
+            if job != self.job or self.joining > generation:  # another job's, or late
                 return
         forming = self.forming
         if forming is not None:
