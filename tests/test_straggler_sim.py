@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from simulations.cli import simulate as cli
 from simulations.cluster import Job, Layout, Scenario, SimulationResult, simulate
@@ -117,28 +119,41 @@ def test_the_unmitigated_loss_matches_the_closed_form() -> None:
     assert result["replica_copy"].goodput.mean() == pytest.approx(expected, abs=0.01)
 
 
-@pytest.mark.parametrize("mean_hours", [0.05, 1.0, math.inf])
-def test_mitigation_is_never_worse_than_none_when_replacement_is_cheap(
-    mean_hours: float,
+@settings(max_examples=15, deadline=None)
+@given(
+    rate=st.floats(1e-4, 3e-3),
+    factor=st.floats(1.05, 5.0),
+    mean_hours=st.sampled_from([0.01, 0.2, 1.0, 5.0, math.inf]),
+    patience=st.integers(1, 200),
+    seed=st.integers(0, 2**16),
+)
+def test_mitigation_is_never_worse_than_none_when_replacement_is_free(
+    rate: float, factor: float, mean_hours: float, patience: int, seed: int
 ) -> None:
-    model = StragglerModel(rate_per_gpu_hour=1e-3, factor=2.5, mean_hours=mean_hours)
+    """Per seed, under failures and snapshot costs: replacing a straggler only ever cuts
+    its slow time short, so with free replacements it can never lose goodput -- for the
+    strategies that replace without rolling back (peer_snapshot rolls every worker back
+    to its snapshot, so a replacement costs it the work since then)."""
+    model = StragglerModel(
+        rate_per_gpu_hour=rate, factor=factor, mean_hours=mean_hours, patience_steps=patience
+    )
     costs = dataclasses.replace(FREE, snapshot_write_s=1.0, checkpoint_write_s=5.0)
-    runs = [
+    slow, fixed = (
         simulate(
             JOB,
             ExponentialFailures(mtbf_hours=2000.0),
             ["replica_copy", "checkfree+"],
             horizon_s=H,
             costs=costs,
-            seeds=6,
+            seeds=3,
+            seed=seed,
             stragglers=model,
             mitigate_stragglers=m,
         )
         for m in (False, True)
-    ]
-    assert runs[0].stragglers_per_seed is not None and runs[0].stragglers_per_seed.sum() > 0
-    for slow, fixed in zip(runs[0].strategies, runs[1].strategies, strict=True):
-        assert np.all(fixed.goodput >= slow.goodput - 1e-12)
+    )
+    for a, b in zip(slow.strategies, fixed.strategies, strict=True):
+        assert np.all(b.goodput >= a.goodput - 1e-12), a.name
 
 
 def test_a_zero_rate_changes_nothing() -> None:
