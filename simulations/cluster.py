@@ -293,6 +293,8 @@ def simulate(
         mtbf = float(job_mtbf_s)
     ctx = SimContext(job=job, costs=costs, horizon_s=horizon, job_mtbf_s=mtbf)
     slow = None
+    if isinstance(stragglers, StragglerModel) and not stragglers.active:
+        stragglers = None
     if isinstance(stragglers, StragglerModel):
         stragglers = stragglers.sample(
             job, horizon, seeds=events.num_seeds, seed=seed, first_seed=first_seed

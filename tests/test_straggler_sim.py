@@ -169,6 +169,7 @@ def test_a_zero_rate_changes_nothing() -> None:
             mitigate_stragglers=mitigate,
         )
         assert zero.table() == plain.table()
+        assert zero.to_dict() == plain.to_dict()
         for a, b in zip(plain.strategies, zero.strategies, strict=True):
             assert np.array_equal(a.goodput, b.goodput)
             assert a.lost_s.keys() == b.lost_s.keys()
