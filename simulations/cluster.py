@@ -78,7 +78,8 @@ Fidelity limits -- what this model does *not* capture:
   while a replacement starts (torchft-style elastic data parallelism would lose less).
 - Costs are constants: no spare-pool exhaustion or queueing for hardware, no network
   contention when many transfers run at once, equal state per stage (real first/last
-  stages carry the embeddings), no slowdowns or stragglers.
+  stages carry the embeddings); stragglers only as ``[Note: straggler model]`` in
+  :mod:`simulations.stragglers` describes them (one slow pace for the whole job).
 - Failures are independent except for the node/rack grouping; no cascades, no silent
   data corruption, no correlated software failures across nodes.
 - The convergence penalty is a fixed amount of progress per approximate recovery and
@@ -132,6 +133,7 @@ from simulations.policy_models import (
     make_policy_model,
 )
 from simulations.results import EventLog, SimulationResult, StrategyResult
+from simulations.stragglers import StragglerDraws, StragglerModel, WorkClock
 from simulations.traces import FailureEvents, FailureModel
 
 # The engine's public names, and those of the modules it is built from (re-exported so
@@ -231,6 +233,8 @@ def simulate(
     first_seed: int = 0,
     job_mtbf_s: float | None = None,
     keep_events: bool = True,
+    stragglers: StragglerModel | StragglerDraws | None = None,
+    mitigate_stragglers: bool = False,
 ) -> SimulationResult:
     """Simulate ``job`` under ``failures`` for each strategy, on common random numbers.
 
@@ -246,10 +250,15 @@ def simulate(
         job_mtbf_s: mean time between failures of the whole job, for checkpoint
             intervals; default: from the failure model (or the events drawn).
         keep_events: keep the per-event log of every strategy.
+        stragglers: slow workers (a model, sampled here on its own random stream, or
+            episodes already drawn); ``None`` or a zero rate: none, and the result is
+            exactly the one without this argument. See ``[Note: straggler model]``.
+        mitigate_stragglers: replace each straggler's worker once detected, as a
+            failure of it (every strategy its own way); else it stays slow.
 
     Raises:
         ValueError: for a missing or non-positive horizon, events drawn for another
-            cluster, a bad strategy, or a bad schedule.
+            cluster, a bad strategy, a bad schedule, or straggler draws for another run.
     """
     costs = CostModel() if costs is None else costs
     chosen = _resolve(strategies)
@@ -283,7 +292,23 @@ def simulate(
             raise ValueError(f"job_mtbf_s must be > 0, got {job_mtbf_s!r}")
         mtbf = float(job_mtbf_s)
     ctx = SimContext(job=job, costs=costs, horizon_s=horizon, job_mtbf_s=mtbf)
-    results = _run(events, chosen, ctx, keep_events)
+    slow = None
+    if isinstance(stragglers, StragglerModel) and not stragglers.active:
+        stragglers = None
+    if isinstance(stragglers, StragglerModel):
+        stragglers = stragglers.sample(
+            job, horizon, seeds=events.num_seeds, seed=seed, first_seed=first_seed
+        )
+    clock = None
+    if stragglers is not None:
+        if stragglers.job != job or stragglers.horizon_s != horizon:
+            raise ValueError("straggler draws were made for another job or horizon")
+        if len(stragglers):
+            clock = stragglers.clock(costs.step_s, mitigated=mitigate_stragglers)
+            if mitigate_stragglers:
+                events = stragglers.with_kills(events, costs.step_s)
+        slow = (stragglers.counts(), stragglers.counts(costs.step_s))
+    results = _run(events, chosen, ctx, keep_events, clock)
     return SimulationResult(
         job=job,
         horizon_s=horizon,
@@ -292,6 +317,8 @@ def simulate(
         failures_per_seed=events.counts(),
         job_mtbf_s=mtbf,
         strategies=tuple(results),
+        stragglers_per_seed=None if slow is None else slow[0],
+        stragglers_handled_per_seed=None if slow is None or not mitigate_stragglers else slow[1],
     )
 
 
@@ -305,7 +332,11 @@ class _Prepared:
 
 
 def _run(
-    events: FailureEvents, strategies: list[PolicyModel], ctx: SimContext, keep_events: bool
+    events: FailureEvents,
+    strategies: list[PolicyModel],
+    ctx: SimContext,
+    keep_events: bool,
+    clock: WorkClock | None = None,
 ) -> list[StrategyResult]:
     n_ev, n_seeds, n_strat = len(events), events.num_seeds, len(strategies)
     horizon = ctx.horizon_s
@@ -372,10 +403,23 @@ def _run(
     q_before = np.empty((width, n_strat, n_seeds))
     q_after = np.empty((width, n_strat, n_seeds))
     cover_from = np.empty((width, n_strat, n_seeds))
+    slow_lost = np.zeros((n_strat, n_seeds))
+
+    def advance(q: np.ndarray, t: np.ndarray) -> None:
+        # Work done from the end of the last stall (or event) to t; at a straggler's pace.
+        since = np.maximum(busy, t_prev)
+        wall = np.maximum(t - since, 0.0)
+        if clock is None:
+            q += wall
+            return
+        work = np.maximum(clock(np.broadcast_to(t, since.shape)) - clock(since), 0.0)
+        q += work
+        slow_lost[...] += wall - work
+
     # The recurrence: one step per event index, every strategy and seed at once.
     for j in range(width):
         t = times[j]
-        q += np.maximum(t - np.maximum(busy, t_prev), 0.0)
+        advance(q, t)
         np.maximum(busy, t, out=cover_from[j])
         q_before[j] = q
         fast, dur = lattice.floors(q)
@@ -384,7 +428,7 @@ def _run(
         q_after[j] = q
         busy = np.maximum(busy, t + down[j])
         t_prev = t
-    q += np.maximum(horizon - np.maximum(busy, t_prev), 0.0)
+    advance(q, np.full(n_seeds, horizon))
 
     return [
         _summarise(
@@ -402,6 +446,7 @@ def _run(
             q[i],
             pos,
             keep_events,
+            None if clock is None else slow_lost[i],
         )
         for i, p in enumerate(prepared)
     ]
@@ -422,6 +467,7 @@ def _summarise(
     q_final: np.ndarray,
     pos: np.ndarray,
     keep_events: bool,
+    slow_lost: np.ndarray | None = None,
 ) -> StrategyResult:
     horizon, n_seeds, width = ctx.horizon_s, events.num_seeds, times.shape[0]
     lattice = _Lattice(np.array(prep.lattice_params, dtype=np.float64))
@@ -470,6 +516,9 @@ def _summarise(
         lost[c] += np.where(loss_cause == c, useful_lost, 0.0).sum(axis=0)
     useful_final = lattice.useful(q_final)
     lost[CAUSES.index("checkpoint")] += writes_lost.sum(axis=0) + (q_final - useful_final)
+    lost_s = {c: lost[k] for k, c in enumerate(CAUSES)}
+    if slow_lost is not None:
+        lost_s["slow"] = slow_lost
 
     names = tuple(kd.name for kd in kinds)
     flat = (kind * n_seeds + np.arange(n_seeds)).ravel()
@@ -493,7 +542,7 @@ def _summarise(
         schedule=prep.schedule.label,
         horizon_s=horizon,
         goodput=np.clip(useful_final / horizon, 0.0, 1.0),
-        lost_s={c: lost[k] for k, c in enumerate(CAUSES)},
+        lost_s=lost_s,
         actions={name: tally[k] for k, name in enumerate(names)},
         events=log,
     )
@@ -515,6 +564,8 @@ class Scenario:
     seed: int = 0
     first_seed: int = 0
     keep_events: bool = False
+    stragglers: StragglerModel | None = None
+    mitigate_stragglers: bool = False
 
     def run(self) -> SimulationResult:
         """Simulate this scenario here.
@@ -532,6 +583,8 @@ class Scenario:
             seed=self.seed,
             first_seed=self.first_seed,
             keep_events=self.keep_events,
+            stragglers=self.stragglers,
+            mitigate_stragglers=self.mitigate_stragglers,
         )
 
     def split(self, chunks: int) -> list[Scenario]:

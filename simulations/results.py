@@ -13,7 +13,7 @@ from simulations.analytics import mean_ci
 from simulations.layout import Job
 from simulations.policy_models import CAUSES
 
-__all__ = ["EventLog", "SimulationResult", "StrategyResult"]
+__all__ = ["EventLog", "SimulationResult", "StrategyResult", "straggler_table"]
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -51,8 +51,9 @@ class StrategyResult:
     goodput: np.ndarray
     """Useful training time over wall time, per seed."""
     lost_s: dict[str, np.ndarray]
-    """Wall time lost per cause (:data:`CAUSES`), per seed; with the useful time they sum
-    to the horizon."""
+    """Wall time lost per cause (:data:`CAUSES`, and ``slow`` -- work not done while a
+    straggler set the pace -- when stragglers were simulated), per seed; with the useful
+    time they sum to the horizon."""
     actions: dict[str, np.ndarray]
     """Number of events per action, per seed."""
     events: EventLog | None = None
@@ -80,6 +81,10 @@ class SimulationResult:
     failures_per_seed: np.ndarray
     job_mtbf_s: float
     strategies: tuple[StrategyResult, ...]
+    stragglers_per_seed: np.ndarray | None = None
+    """Slow episodes per seed, when stragglers were simulated."""
+    stragglers_handled_per_seed: np.ndarray | None = None
+    """Of those, the ones mitigation replaced, when it was on."""
 
     @property
     def num_seeds(self) -> int:
@@ -143,6 +148,10 @@ class SimulationResult:
             "job_mtbf_s": self.job_mtbf_s,
             "strategies": {},
         }
+        if self.stragglers_per_seed is not None:
+            out["stragglers_per_seed"] = float(self.stragglers_per_seed.mean())
+        if self.stragglers_handled_per_seed is not None:
+            out["stragglers_handled_per_seed"] = float(self.stragglers_handled_per_seed.mean())
         for r in self.strategies:
             m, lo, hi = r.goodput_ci(level)
             out["strategies"][r.name] = {
@@ -205,7 +214,7 @@ class SimulationResult:
                 replace(
                     base,
                     goodput=np.concatenate([p.goodput for p in parts]),
-                    lost_s={c: np.concatenate([p.lost_s[c] for p in parts]) for c in CAUSES},
+                    lost_s={c: np.concatenate([p.lost_s[c] for p in parts]) for c in base.lost_s},
                     actions={
                         a: np.concatenate([p.actions[a] for p in parts]) for a in base.actions
                     },
@@ -213,4 +222,65 @@ class SimulationResult:
                 )
             )
         counts = np.concatenate([r.failures_per_seed for r in results])
-        return replace(first, failures_per_seed=counts, strategies=tuple(merged))
+
+        def joined(name: str) -> np.ndarray | None:
+            parts = [getattr(r, name) for r in results]
+            return None if any(p is None for p in parts) else np.concatenate(parts)
+
+        return replace(
+            first,
+            failures_per_seed=counts,
+            strategies=tuple(merged),
+            stragglers_per_seed=joined("stragglers_per_seed"),
+            stragglers_handled_per_seed=joined("stragglers_handled_per_seed"),
+        )
+
+
+def straggler_table(
+    base: SimulationResult,
+    unmitigated: SimulationResult,
+    mitigated: SimulationResult,
+    describe: str,
+    level: float = 0.95,
+) -> str:
+    """Goodput per strategy without stragglers, with them left slow, and with them
+    replaced (``[Note: straggler model]``), on the same failures and episodes; ``slow %``
+    is the wall time the job spent working at a straggler's pace that it lost.
+
+    Raises:
+        ValueError: if the three results hold different strategies.
+    """
+    names = [r.name for r in base.strategies]
+    for other in (unmitigated, mitigated):
+        if [r.name for r in other.strategies] != names:
+            raise ValueError("straggler comparison needs the same strategies in every result")
+    per_seed = unmitigated.stragglers_per_seed
+    handled = mitigated.stragglers_handled_per_seed
+    head = (
+        f"{describe}\n"
+        f"{0.0 if per_seed is None else per_seed.mean():,.1f} slow episodes per seed, "
+        f"{0.0 if handled is None else handled.mean():,.1f} of them long enough to be "
+        f"replaced; goodput ({level:.0%} CI half-width)\n"
+    )
+    cols = (
+        f"{'strategy':<20}{'no stragglers':>17}{'unmitigated':>17}{'slow %':>8}"
+        f"{'mitigated':>17}{'slow %':>8}{'mitigation':>12}"
+    )
+    rows = [cols, "-" * len(cols)]
+
+    def cell(r: StrategyResult) -> str:
+        m, lo, hi = r.goodput_ci(level)
+        half = (hi - lo) / 2 if math.isfinite(lo) else 0.0
+        return f"{m:.4f} ± {half:.4f}"
+
+    def slow(r: StrategyResult) -> str:
+        lost = r.lost_s.get("slow")
+        return "-" if lost is None else f"{100 * float(lost.mean()) / r.horizon_s:.2f}"
+
+    for b, u, m in zip(base.strategies, unmitigated.strategies, mitigated.strategies, strict=True):
+        gain = float(m.goodput.mean() - u.goodput.mean())
+        rows.append(
+            f"{b.name:<20}{cell(b):>17}{cell(u):>17}{slow(u):>8}{cell(m):>17}{slow(m):>8}"
+            f"{gain:>+12.4f}"
+        )
+    return head + "\n".join(rows)

@@ -27,7 +27,7 @@ commands of their own."""
 KEY_FLAGS = {
     "train": ["--stages", "--replicas", "--failures", "--steps", "--out"],
     "chaos": ["--kills", "--mean-interval", "--burst-prob", "--hot-spares", "--nodes"],
-    "simulate": ["--gpus", "--layout", "--strategies", "--seeds", "--plot"],
+    "simulate": ["--gpus", "--layout", "--strategies", "--seeds", "--plot", "--straggler-rate"],
     "experiment": ["config", "--out", "--jobs", "--report-only"],
     "embedding-experiment": ["--preset", "--workers", "--failures", "--report-only"],
     "embedding-runtime": ["--preset", "--workers", "--failures", "--table"],

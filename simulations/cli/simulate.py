@@ -3,11 +3,17 @@
     checkfree simulate --gpus 16384 --days 54 --layout pp=16,dp=128,tp=8 --mtbf-hours 50000 --plot goodput.png
     checkfree simulate --gpus 1024 --days 5 --strategies checkpoint_restart,checkfree+ --seeds 10
     checkfree simulate --gpus 512 --days 3 --weibull-shape 0.7 --mtbf-hours 5000 --json out.json
+    checkfree simulate --gpus 102400 --straggler-factor 2 --straggler-hours inf
+    checkfree simulate --straggler-rate 0        # failures only: no straggler table
 
 Prints a goodput table with confidence intervals per strategy and the share of wall time
 lost per cause; see ``[Note: simulator model]`` in ``simulations/cluster.py`` for what the
-model does and does not capture. In a checkout, ``python scripts/simulate.py`` is the same
-program.
+model does and does not capture. Then, unless ``--straggler-rate 0``, a second table: the
+same failures with slow workers added, each strategy's goodput with the stragglers left
+slow and with them replaced once detected (``[Note: straggler model]`` in
+``simulations/stragglers.py``; the straggler defaults are assumptions, not measurements).
+The first table never includes stragglers, so it is the same with or without them. In a
+checkout, ``python scripts/simulate.py`` is the same program.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import json
 import math
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -39,6 +46,14 @@ from simulations.cluster import (
     sweep,
 )
 from simulations.costs import CostModel, check_renamed
+from simulations.results import straggler_table
+from simulations.stragglers import (
+    STRAGGLER_FACTOR,
+    STRAGGLER_MEAN_HOURS,
+    STRAGGLER_PATIENCE_STEPS,
+    STRAGGLER_RATE_PER_GPU_HOUR,
+    StragglerModel,
+)
 from simulations.traces import (
     COMPONENTS,
     LLAMA3_GPU_MTBF_HOURS,
@@ -178,6 +193,40 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="peer strategies replace dead workers cold (replace_s) rather than from warm spares",
     )
+    slow = p.add_argument_group(
+        "stragglers (defaults are assumptions: no per-GPU straggler rate is published; see "
+        "[Note: straggler model] in simulations/stragglers.py)"
+    )
+    slow.add_argument(
+        "--straggler-rate",
+        type=float,
+        default=STRAGGLER_RATE_PER_GPU_HOUR,
+        help="slow-worker onsets per GPU-hour; 0: no stragglers and no straggler table "
+        f"(default: {STRAGGLER_RATE_PER_GPU_HOUR:.3g}, Llama 3's per-GPU interruption rate "
+        "reused: an assumption)",
+    )
+    slow.add_argument(
+        "--straggler-factor",
+        type=float,
+        default=STRAGGLER_FACTOR,
+        help="how many times slower a straggler's steps are; the whole job runs at its pace "
+        f"(default: {STRAGGLER_FACTOR:g}, the issue's 3x case: an assumption)",
+    )
+    slow.add_argument(
+        "--straggler-hours",
+        type=float,
+        default=STRAGGLER_MEAN_HOURS,
+        help="mean of the exponential duration of a slow episode, or 'inf': slow until "
+        f"replaced (default: {STRAGGLER_MEAN_HOURS:g}, an assumption inside Falcon's "
+        "published tens of seconds to ~10 hours, arXiv 2410.12588)",
+    )
+    slow.add_argument(
+        "--straggler-patience",
+        type=int,
+        default=STRAGGLER_PATIENCE_STEPS,
+        help="mitigation: steps at the slow pace before the worker is replaced like a "
+        f"failed one (default: {STRAGGLER_PATIENCE_STEPS}, an assumption)",
+    )
     run = p.add_argument_group("run and output")
     run.add_argument("--seeds", type=int, default=100, help="Monte Carlo seeds (default: 100)")
     run.add_argument("--seed", type=int, default=0, help="base random seed (default: 0)")
@@ -295,6 +344,21 @@ def strategies(args: argparse.Namespace) -> tuple[PolicyModel, ...]:
     return tuple(out)
 
 
+def straggler_model(args: argparse.Namespace) -> StragglerModel | None:
+    """The straggler model the flags describe, or ``None`` for a zero rate.
+
+    Raises:
+        ValueError: for a bad rate, factor, duration or patience.
+    """
+    model = StragglerModel(
+        rate_per_gpu_hour=args.straggler_rate,
+        factor=args.straggler_factor,
+        mean_hours=args.straggler_hours,
+        patience_steps=args.straggler_patience,
+    )
+    return model if model.active else None
+
+
 def write_events(path: Path, result: SimulationResult) -> None:
     """Every event of every seed, one row per (event, strategy)."""
     with open(path, "w", newline="", encoding="utf-8") as f:
@@ -396,7 +460,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             keep_events=args.events is not None,
         )
-        parts = scenario.split(args.chunks)
+        slow = straggler_model(args)
+        variants = [scenario]
+        if slow is not None:
+            variants += [
+                replace(scenario, stragglers=slow, keep_events=False, mitigate_stragglers=m)
+                for m in (False, True)
+            ]
+        parts = [part for v in variants for part in v.split(args.chunks)]
         if args.ray:
             results = sweep(parts, use_ray=True, timeout=timedelta(hours=2))
         else:
@@ -406,12 +477,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    result = SimulationResult.merge(results)
+    n = len(results) // len(variants)
+    merged = [SimulationResult.merge(results[k * n : (k + 1) * n]) for k in range(len(variants))]
+    result = merged[0]
     print(result.table(args.confidence))
+    summary = result.to_dict(args.confidence)
+    if slow is not None:
+        print()
+        print(straggler_table(merged[0], merged[1], merged[2], slow.describe(), args.confidence))
+        summary["stragglers"] = {
+            "model": asdict(slow),
+            "describe": slow.describe(),
+            "unmitigated": merged[1].to_dict(args.confidence)["strategies"],
+            "mitigated": merged[2].to_dict(args.confidence)["strategies"],
+        }
     if args.json:
-        args.json.write_text(
-            json.dumps(result.to_dict(args.confidence), indent=2) + "\n", encoding="utf-8"
-        )
+        args.json.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {args.json}")
     if args.events:
         write_events(args.events, result)
