@@ -9,7 +9,6 @@ uninterrupted run on the first topology, 2 stages x 2 replicas.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import shutil
@@ -23,12 +22,16 @@ import torch
 from parallelism import Topology
 from parallelism.datasets import DatasetBatches
 from parallelism.spec import TrainSpec
+from parallelism.workloads.dlrm.spec import dlrm_spec
 from parallelism.workloads.llama_spec import llama_spec
 from recovery import RecoveryPolicy, SnapshotPolicy, Trainer, batches_from_dataset
 from recovery.groups import ThreadWorkerGroup
 from recovery.runtime import Controller, ControllerConfig
 from recovery.runtime.layouts import layout_for
-from tests.workloads import TinyLM, TokenSequences, lm_loss
+from recovery.snapshots import DurableStore
+from recovery.snapshots.reshard import load_resharded
+from recovery.state import Progress, Rebuild, WorkerState
+from tests.workloads import TinyLM, TokenSequences, adamw, lm_loss, mlp_spec, mse
 
 FIRST = Topology(stages=2, replicas=2)
 STOP, END = 4, 6
@@ -134,7 +137,8 @@ def llama(microbatches: int = 2) -> TrainSpec:
         microbatches=microbatches,
         global_batch_size=8,
         warmup_steps=2,
-        max_bytes=200_000,
+        clip_grad_norm=None,  # clipping is per stage: another cut clips otherwise
+        max_bytes=2_000_000,
     )
 
 
@@ -180,3 +184,138 @@ def test_llama_resumes_on_another_cut_and_more_replicas(tmp_path: Path, seen: Se
         seen,
         [(Topology(4, 2), llama()), (Topology(1, 2), llama()), (Topology(2, 4), llama(1))],
     )
+
+
+def test_dlrm_rows_move_to_their_new_owners(tmp_path: Path) -> None:
+    """Row-sharded tables over 2 workers, resumed on 4 and on 1 (whole tables): every row
+    lands on its new owner with its row-wise optimizer state, and the losses go on."""
+    spec = dlrm_spec(preset="tiny", global_batch_size=48)
+    two, four, one = Topology(1, 2), Topology(1, 4), Topology(1, 1)
+    run(spec, two, STOP, tmp_path / "first")
+    whole = run(spec, two, END)
+    want = losses(whole, range(STOP, END))
+    for top in (four, one):
+        folder = tmp_path / f"1x{top.replicas}"
+        shutil.copytree(tmp_path / "first", folder)
+        again = run(spec, top, END, folder, reshard=True)
+        assert again.persistence.resharded_from == two
+        assert_close(losses(again, range(STOP, END)), want)
+
+
+# -- refusals ---------------------------------------------------------------------------------
+
+
+def regression_pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    xs = torch.randn(64, 16, generator=g)
+    return list(zip(xs, torch.sin(xs), strict=True))
+
+
+def named_mlp_spec(**overrides: Any) -> TrainSpec:
+    """`mlp_spec` on a dataset with a global batch of 8 (its stages share their names)."""
+    overrides.setdefault("batches", batches_from_dataset(regression_pairs(), global_batch_size=8))
+    return mlp_spec(microbatches=2, **overrides)
+
+
+@pytest.fixture
+def snapshots(tmp_path: Path) -> Path:
+    """Durable snapshots (steps 2 and 4) of `named_mlp_spec` on `FIRST`."""
+    run(named_mlp_spec(), FIRST, STOP, tmp_path)
+    return tmp_path
+
+
+def test_a_global_batch_the_replicas_do_not_divide_is_refused(snapshots: Path) -> None:
+    with pytest.raises(ValueError, match="global batch of 8 samples does not divide among 3"):
+        run(named_mlp_spec(), Topology(2, 3), END, snapshots, reshard=True)
+
+
+def test_another_topology_without_reshard_is_refused_naming_both(snapshots: Path) -> None:
+    with pytest.raises(ValueError) as refused:
+        run(named_mlp_spec(), Topology(4, 2), END, snapshots)
+    text = str(refused.value)
+    assert "2 stages x 2 replicas (4 workers)" in text and "4 stages x 2 replicas" in text
+    assert 'resume="reshard"' in text
+
+
+def test_more_replicas_without_a_global_batch_are_refused(tmp_path: Path) -> None:
+    run(mlp_spec(microbatches=2), FIRST, STOP, tmp_path)
+    with pytest.raises(ValueError, match="changes the replica count, but the job's batches do not"):
+        run(mlp_spec(microbatches=2), Topology(2, 4), END, tmp_path, reshard=True)
+
+
+def test_stages_that_do_not_name_their_parameters_globally_are_refused(snapshots: Path) -> None:
+    """Each `mlp_stage` calls its layer ``0``: a new cut cannot tell whose is whose."""
+    with pytest.raises(ValueError, match=r"0\.(weight|bias) is in old stages 0 and 1"):
+        run(named_mlp_spec(), Topology(1, 2), END, snapshots, reshard=True)
+
+
+def test_never_refuses_a_folder_with_snapshots_before_any_worker_starts(snapshots: Path) -> None:
+    policy = RecoveryPolicy(
+        snapshots=SnapshotPolicy(peer_every=None, durable_every=2, dir=str(snapshots))
+    )
+    trainer = Trainer(named_mlp_spec(), topology=FIRST, policy=policy, resume="never")
+    with pytest.raises(ValueError, match='starts afresh \\(resume="never"\\)'):
+        trainer.fit(2)  # no Ray cluster is started: the folder is refused first
+    with pytest.raises(ValueError, match="resume must be one of 'auto', 'reshard', 'never'"):
+        Trainer(named_mlp_spec(), topology=FIRST, resume="always")  # type: ignore[arg-type]
+
+
+# -- by name, below the controller ------------------------------------------------------------
+
+
+def _stage(
+    names: list[str], *, trained: bool = True, progress: Progress | None = None
+) -> WorkerState:
+    """A stage of ``Linear(3, 3)`` layers named ``names``, one AdamW step taken if ``trained``."""
+    module = torch.nn.ModuleDict({n: torch.nn.Linear(3, 3) for n in names})
+    optimizer = adamw(module.parameters())
+    if trained:
+        x = torch.randn(2, 3)
+        torch.stack([mse(m(x), torch.zeros(2, 3)) for m in module.values()]).sum().backward()
+        optimizer.step()
+    return WorkerState(module, optimizer, progress or Progress(step=4))
+
+
+def _written(tmp_path: Path, stages: list[WorkerState]) -> DurableStore:
+    store = DurableStore(tmp_path)
+    for rank, state in enumerate(stages):
+        store.wait(store.write(rank, state))
+    store.commit(4, len(stages))
+    return store
+
+
+def test_optimizer_state_follows_its_parameter_by_name(tmp_path: Path) -> None:
+    """Two old stages ``a`` | ``b c``, one new stage ``c b a`` (other positions in its
+    optimizer): every moment lands on its own parameter."""
+    old = [_stage(["a"]), _stage(["b", "c"])]
+    store = _written(tmp_path, old)
+    new = _stage(["c", "b", "a"], trained=False, progress=Progress())
+    progress = load_resharded(store, 4, Topology(2, 1), new)
+    assert progress == Progress(step=4)
+    theirs = {**_moments(old[0]), **_moments(old[1])}
+    mine = _moments(new)
+    assert mine.keys() == theirs.keys()
+    for key, value in theirs.items():
+        assert torch.equal(mine[key], value), key
+
+
+def _moments(state: WorkerState) -> dict[str, torch.Tensor]:
+    names = {id(p): n for n, p in state.module.named_parameters()}
+    out = {}
+    for p, entry in state.optimizer.state.items():
+        out[names[id(p)]] = entry["exp_avg"]
+        out[names[id(p)] + ".param"] = p.detach()
+    return out
+
+
+def test_a_rebuild_mark_goes_with_its_parameters(tmp_path: Path) -> None:
+    """A new stage made of one rebuilt old stage carries its mark; one that mixes a rebuilt
+    stage with another is refused, naming the stages."""
+    mark = Rebuild(step=3, lr_scale=0.5, lr_scale_steps=None, rewarm_steps=0)
+    old = [_stage(["a"]), _stage(["b"], progress=Progress(step=4, rebuild=mark))]
+    store = _written(tmp_path, old)
+    alone = _stage(["b"], trained=False, progress=Progress())
+    assert load_resharded(store, 4, Topology(2, 1), alone).rebuild == mark
+    mixed = _stage(["a", "b"], trained=False, progress=Progress())
+    with pytest.raises(ValueError, match=r"old stages \[0, 1\].*different CheckFree rebuild"):
+        load_resharded(store, 4, Topology(2, 1), mixed)

@@ -33,12 +33,15 @@ and, when the replica count changes, batches that state the global batch
 (``batches_from_dataset(global_batch_size=...)``), so every later step reads exactly the
 samples it would have. Per-step random streams (dropout) are keyed by ``(stage, replica,
 step)`` (``parallelism/seeding.py``), so a model that draws them draws others after a
-reshard; the data and the state are exact.
+reshard; the data and the state are exact. Gradients are clipped per stage
+(``TrainSpec.clip_grad_norm``), so a step that clips does so otherwise on another cut
+(a warning says so).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -68,6 +71,8 @@ Resume = Literal["auto", "reshard", "never"]
 ``"reshard"`` also on another topology; ``"never"`` starts afresh and refuses a folder that
 holds snapshots."""
 RESUME_MODES: tuple[Resume, ...] = get_args(Resume)
+
+log = logging.getLogger("checkfree")
 
 _MODEL = "model."
 _STATE = "optim.state."
@@ -102,6 +107,13 @@ def check_reshard(spec: TrainSpec, old: Topology, new: Topology) -> None:
             "change (and with it the losses). Give batches_from_dataset(global_batch_size=...) "
             "(or a batches callable with a global_batch_size attribute), or resume with "
             f"{old.replicas} replicas"
+        )
+    if spec.clip_grad_norm is not None and old.stages != new.stages:
+        log.warning(
+            "%s: gradients are clipped per stage (clip_grad_norm=%s), so on another stage "
+            "cut a step that clips updates otherwise than it would have",
+            what,
+            spec.clip_grad_norm,
         )
     if spec.shard_optimizer:
         raise ValueError(
