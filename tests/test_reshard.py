@@ -319,3 +319,29 @@ def test_a_rebuild_mark_goes_with_its_parameters(tmp_path: Path) -> None:
     mixed = _stage(["a", "b"], trained=False, progress=Progress())
     with pytest.raises(ValueError, match=r"old stages \[0, 1\].*different CheckFree rebuild"):
         load_resharded(store, 4, Topology(2, 1), mixed)
+
+
+# -- the command line -------------------------------------------------------------------------
+
+
+def test_the_train_command_resumes_with_a_reshard(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--resume reshard --global-batch 16`` reaches the `Trainer` with a global batch."""
+    from recovery.cli import train
+
+    class Stop(Exception):
+        pass
+
+    got: dict[str, Any] = {}
+
+    def trainer(spec: TrainSpec, **kwargs: Any) -> None:
+        got.update(kwargs, spec=spec)
+        raise Stop
+
+    monkeypatch.setattr(train, "Trainer", trainer)
+    argv = ["--preset", "tiny", "--resume", "reshard", "--global-batch", "16", "--replicas", "4"]
+    with pytest.raises(Stop):
+        train.main([*argv, "--stages", "2", "--out", "/nonexistent/never-written"])
+    assert got["resume"] == "reshard" and got["topology"] == Topology(2, 4)
+    assert got["spec"].batches.global_batch_size == 16
+    with pytest.raises(SystemExit):
+        train.parse_args(["--resume", "always"])
