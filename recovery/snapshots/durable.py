@@ -52,7 +52,7 @@ from recovery.snapshots.folder import (
     SnapshotFolder,
     file_digest,
 )
-from recovery.snapshots.reshard import global_names as _global_names
+from recovery.snapshots.reshard import renamed
 from recovery.state import Progress, WorkerState, dcp_state
 
 __all__ = [
@@ -175,7 +175,7 @@ class DurableStore(SnapshotFolder):
         check_index("rank", rank)
         extra = dict(info or {})
         # A stage's names that are not the model's, for a reshard ([Note: resharding a snapshot]).
-        names = {k: g for k, g in _global_names(state.module).items() if k != g}
+        names = renamed(state.module)
         if names:
             extra.setdefault("names", names)
         try:

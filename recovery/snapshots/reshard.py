@@ -44,7 +44,7 @@ import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -54,6 +54,9 @@ from parallelism.topology import Topology
 from recovery.snapshots.folder import MANIFEST
 from recovery.state import Progress, WorkerState, dcp_state, load_dcp_state
 from recovery.wire import decode, encode
+
+if TYPE_CHECKING:
+    from recovery.snapshots.durable import DurableStore
 
 __all__ = [
     "RESUME_MODES",
@@ -131,7 +134,7 @@ def _layout(t: Topology) -> str:
     return f"{t.stages} x {t.replicas}"
 
 
-def _source(store: Any, step: int, rank: int) -> tuple[Path, dict[str, str], set[str]]:
+def _source(store: DurableStore, step: int, rank: int) -> tuple[Path, dict[str, str], set[str]]:
     """Old ``rank``'s verified folder, the names its manifest records, and its DCP keys."""
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -154,7 +157,7 @@ def _global_key(key: str, names: dict[str, str]) -> str | None:
 
 
 def load_resharded(
-    store: Any,
+    store: DurableStore,
     step: int,
     old: Topology,
     state: WorkerState,
@@ -162,8 +165,7 @@ def load_resharded(
     skip: Callable[[str], bool] = lambda key: False,
 ) -> Progress:
     """Load into ``state`` what its module and optimizer hold, by global name, from the
-    durable snapshot of ``step`` that a job of topology ``old`` wrote in ``store`` (a
-    `DurableStore`). See [Note: resharding a snapshot]. ``skip``: global keys
+    durable snapshot of ``step`` that a job of topology ``old`` wrote in ``store``. See [Note: resharding a snapshot]. ``skip``: global keys
     (``model.<name>``) left to the caller. Returns the progress to adopt.
 
     Raises:
@@ -237,7 +239,7 @@ def load_resharded(
 
 
 def load_resharded_tables(
-    store: Any, step: int, old: Topology, state: WorkerState, rows: list[tuple[int, int]]
+    store: DurableStore, step: int, old: Topology, state: WorkerState, rows: list[tuple[int, int]]
 ) -> Progress:
     """`load_resharded` for a worker of row-sharded tables (`dlrm_spec`, one stage): the
     dense part and its optimizer by name from old worker 0, and the rows ``rows`` (this
