@@ -12,8 +12,9 @@ write records the names that differ in its manifest (``info.names``), so the sna
 be read without building the old stages.
 
 A reshard (`load_resharded`) runs in every worker of the new job: it reads the manifest and
-DCP metadata of replica 0 of each old stage (replicas of a stage are bit-identical), loads
-exactly the tensors its own module and optimizer hold under the same global names --
+DCP metadata of replica 0 of each old stage (replicas of a stage are bit-identical), and
+from the stages that hold any of its tensors -- every byte of them checksummed first --
+loads exactly the tensors its own module and optimizer hold under the same global names --
 parameters, persistent buffers, and the optimizer's per-parameter state translated by name,
 never by position -- verified by checksum first, and refuses a name found in no old stage or
 in two (an older LLaMA snapshot without recorded names would say so). The optimizer's
@@ -51,6 +52,7 @@ from torch import nn
 
 from parallelism.spec import TrainSpec
 from parallelism.topology import Topology
+from recovery.snapshots.checkpoint import checkpoint_path
 from recovery.snapshots.folder import MANIFEST
 from recovery.state import Progress, WorkerState, dcp_state, load_dcp_state
 from recovery.wire import decode, encode
@@ -134,11 +136,13 @@ def _layout(t: Topology) -> str:
     return f"{t.stages} x {t.replicas}"
 
 
-def _source(store: DurableStore, step: int, rank: int) -> tuple[Path, dict[str, str], set[str]]:
-    """Old ``rank``'s verified folder, the names its manifest records, and its DCP keys."""
+def _listing(store: DurableStore, step: int, rank: int) -> tuple[Path, dict[str, str], set[str]]:
+    """Old ``rank``'s folder, the names its manifest records, and its DCP keys (read before
+    the rank's files are verified: the controller verified the whole snapshot just before,
+    and `DurableStore.verified_rank` checks every byte of a rank again before anything is loaded from it)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    path = store.verified_rank(step, rank)
+    path = checkpoint_path(store.root, step, rank)
     info = json.loads((path / MANIFEST).read_bytes()).get("info", {})
     keys = set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     return path, dict(info.get("names", {})), keys
@@ -193,7 +197,7 @@ def load_resharded(
     found: dict[str, int] = {}
     marks: dict[int, Progress] = {}
     for stage in range(old.stages):
-        path, names, keys = _source(store, step, old.rank(stage, 0))
+        path, names, keys = _listing(store, step, old.rank(stage, 0))
         request: dict[str, Any] = {}
         for key in sorted(keys):
             wanted = _global_key(key, names)
@@ -207,6 +211,9 @@ def load_resharded(
                 )
             found[wanted] = stage
             request[key] = targets[wanted]
+        if not request:
+            continue  # nothing of this stage's is ours: not read (nor its mark taken)
+        store.verified_rank(step, old.rank(stage, 0))
         request["progress"] = ""
         dcp.load(request, checkpoint_id=str(path), no_dist=True)
         progress = decode(str(request["progress"]).encode())
@@ -222,7 +229,7 @@ def load_resharded(
             f"the durable snapshot of step {step} ({_layout(old)}) holds no {shown}: it is "
             "not this model's (or its stage modules name their parameters otherwise)"
         )
-    sources = sorted(set(found.values())) or [0]
+    sources = sorted(set(found.values()))
     rebuilds = {marks[s].rebuild for s in sources}
     if len(rebuilds) > 1:
         raise ValueError(
@@ -232,7 +239,7 @@ def load_resharded(
             "scale. Resume on a cut that keeps each rebuilt stage's parameters together (or "
             "on the same topology)"
         )
-    progress = Progress(step=step, rebuild=rebuilds.pop())
+    progress = Progress(step=step, rebuild=rebuilds.pop() if rebuilds else None)
     loaded["progress"] = encode(progress).decode()
     load_dcp_state(state, loaded)
     return progress
@@ -262,8 +269,10 @@ def load_resharded_tables(
     weight, accumulator = shard.weight, shard.accumulator
     offsets = shard.layout.offsets(shard.shard)
     for j in range(old.replicas):
-        path, _, _ = _source(store, step, old.rank(0, j))
         theirs = before.shard_rows(j)
+        if all(max(a, c) >= min(b, d) for (a, b), (c, d) in zip(rows, theirs, strict=True)):
+            continue  # none of its rows are ours
+        path = store.verified_rank(step, old.rank(0, j))
         size = before.shard_size(j)
         request: dict[str, Any] = {
             "model.shard.weight": torch.empty(size, weight.shape[1], dtype=weight.dtype),
