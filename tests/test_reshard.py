@@ -203,6 +203,26 @@ def test_dlrm_rows_move_to_their_new_owners(tmp_path: Path, seen: Seen) -> None:
     reshard_and_compare(spec, tmp_path, seen, targets, start=Topology(1, 2))
 
 
+def test_a_stated_global_batch_is_the_same_samples_on_any_replica_count() -> None:
+    """`batches_from_dataset(global_batch_size=...)` and `GlobalClicks`: each replica reads
+    its run of one global batch; a batch size given twice, or not at all, is refused."""
+    data = batches_from_dataset(list(range(100)), global_batch_size=12, seed=5)
+    for step in (0, 7, 8, 30):  # 8 steps per epoch: the epochs' orders differ
+        whole = data.indices(step, 0, 1)
+        for replicas in (2, 3, 4, 6, 12):
+            assert [i for r in range(replicas) for i in data.indices(step, r, replicas)] == whole
+    with pytest.raises(ValueError, match="global batch of 12 samples does not divide among 5"):
+        data(0, 0, 5)
+    for sizes in ({"batch_size": 4, "global_batch_size": 8}, {}):
+        with pytest.raises(ValueError, match="exactly one"):
+            batches_from_dataset(list(range(10)), **sizes)
+    clicks = dlrm_spec(preset="tiny", global_batch_size=12).batches
+    one = clicks(3, 0, 1)
+    parts = [clicks(3, r, 4) for r in range(4)]
+    assert torch.equal(torch.cat([p.sparse for p in parts]), one.sparse)
+    assert torch.equal(torch.cat([p.labels for p in parts]), one.labels)
+
+
 # -- refusals ---------------------------------------------------------------------------------
 
 
