@@ -7,18 +7,24 @@ on what ran before, so the data a job sees does not change when workers die, are
 roll back, or when the driver restarts and resumes from a snapshot.
 
 [Note: the dataset cursor]
-A step's global batch is ``batch_size * num_replicas`` samples. An epoch is
-``len(dataset) // (batch_size * num_replicas)`` steps (one more with ``drop_last=False``
+A step's global batch ``G`` is ``global_batch_size`` samples when the job states it, else
+``batch_size * num_replicas``; each replica reads ``G / num_replicas`` of them. An epoch is
+``len(dataset) // G`` steps (one more with ``drop_last=False``
 when samples are left over); step ``t`` is in epoch ``e = t // steps_per_epoch``, whose
 order is a permutation of the dataset drawn from ``(seed, e)``; its ``k``-th step reads
 positions ``[k * G, (k + 1) * G)`` of that order (``G`` the global batch), and replica
-``r`` the ``r``-th run of ``batch_size`` of them. So every sample is read exactly once per
+``r`` the ``r``-th run of ``G / num_replicas`` of them. So every sample is read exactly once per
 epoch across the replicas -- except that ``drop_last=True`` (the default) skips the
 ``len % G`` samples the permutation puts last, and ``drop_last=False`` fills the epoch's
 last global batch with the permutation's first samples (read twice that epoch), as
 ``DistributedSampler`` pads. A replica's slice is computed from ``num_replicas``, not from
 who is alive: a survivor can compute a missing replica's share with the same call.
 Iterable-style datasets have no position to return to and are refused.
+
+A stated ``global_batch_size`` makes the global batch the job's, not the topology's: the
+samples of step ``t`` are the same for any replica count that divides it (a replica count
+that does not is refused, naming both numbers), so a job resumed on another topology
+(``Trainer(resume="reshard")``) reads exactly the samples it would have read.
 """
 
 from __future__ import annotations
@@ -51,8 +57,9 @@ class DatasetBatches:
 
     dataset: Any
     """A map-style dataset: ``len(dataset)`` samples, ``dataset[i]`` for ``0 <= i < len``."""
-    batch_size: int
-    """Samples per replica per step."""
+    batch_size: int | None = None
+    """Samples per replica per step (the global batch then grows with the replicas); or
+    None with ``global_batch_size``."""
     seed: int = 0
     """Seeds each epoch's permutation."""
     collate_fn: Callable[[list[Any]], Any] | None = None
@@ -62,6 +69,9 @@ class DatasetBatches:
     """Skip the samples left over at an epoch's end (else pad with the epoch's first)."""
     shuffle: bool = True
     """Draw each epoch's order at random; False: the dataset's order every epoch."""
+    global_batch_size: int | None = None
+    """Samples per step over all replicas, whatever their number (each replica reads
+    ``global_batch_size / num_replicas``); None: ``batch_size`` per replica."""
 
     def __post_init__(self) -> None:
         if isinstance(self.dataset, IterableDataset):
@@ -77,7 +87,16 @@ class DatasetBatches:
                     f"the dataset must be map-style (__len__ and __getitem__); "
                     f"{type(self.dataset).__name__} has no {name}"
                 )
-        check_positive_int("batch_size", self.batch_size)
+        if (self.batch_size is None) == (self.global_batch_size is None):
+            raise ValueError(
+                "give batch_size (samples per replica) or global_batch_size (samples per "
+                f"step over all replicas), exactly one; got batch_size={self.batch_size!r}, "
+                f"global_batch_size={self.global_batch_size!r}"
+            )
+        if self.batch_size is not None:
+            check_positive_int("batch_size", self.batch_size)
+        if self.global_batch_size is not None:
+            check_positive_int("global_batch_size", self.global_batch_size)
         if len(self.dataset) < 1:
             raise ValueError("the dataset is empty")
         if self.collate_fn is not None and not callable(self.collate_fn):
@@ -86,17 +105,47 @@ class DatasetBatches:
     def __len__(self) -> int:
         return len(self.dataset)
 
+    def replica_batch(self, num_replicas: int) -> int:
+        """Samples each of ``num_replicas`` replicas reads per step.
+
+        Raises:
+            ValueError: if ``num_replicas`` does not divide the stated global batch,
+                naming both numbers.
+        """
+        check_positive_int("num_replicas", num_replicas)
+        if self.batch_size is not None:
+            return self.batch_size
+        assert self.global_batch_size is not None
+        per, rest = divmod(self.global_batch_size, num_replicas)
+        if rest or not per:
+            raise ValueError(
+                f"a global batch of {self.global_batch_size} samples does not divide among "
+                f"{num_replicas} replicas: use a replica count that divides "
+                f"{self.global_batch_size}, or another global_batch_size"
+            )
+        return per
+
+    def global_batch(self, num_replicas: int) -> int:
+        """Samples per step over ``num_replicas`` replicas.
+
+        Raises:
+            ValueError: see `replica_batch`.
+        """
+        return self.replica_batch(num_replicas) * num_replicas
+
     def steps_per_epoch(self, num_replicas: int) -> int:
         """Steps in one pass over the dataset with ``num_replicas`` replicas.
 
         Raises:
-            ValueError: if the dataset holds fewer samples than one global batch.
+            ValueError: if the dataset holds fewer samples than one global batch, or
+                ``num_replicas`` does not divide a stated global batch.
         """
-        size, global_batch = len(self.dataset), self.batch_size * num_replicas
+        per = self.replica_batch(num_replicas)
+        size, global_batch = len(self.dataset), per * num_replicas
         if size < global_batch:
             raise ValueError(
                 f"the dataset has {size} samples, fewer than one global batch of "
-                f"{global_batch} ({self.batch_size} per replica x {num_replicas} replicas)"
+                f"{global_batch} ({per} per replica x {num_replicas} replicas)"
             )
         full, rest = divmod(size, global_batch)
         return full + (1 if rest and not self.drop_last else 0)
@@ -122,9 +171,9 @@ class DatasetBatches:
             raise ValueError(f"replica must be in [0, {num_replicas}), got {replica!r}")
         epoch, k = divmod(step, self.steps_per_epoch(num_replicas))
         order = self.epoch_order(epoch)
-        global_batch = self.batch_size * num_replicas
-        start = k * global_batch + replica * self.batch_size
-        positions = torch.arange(start, start + self.batch_size) % len(order)
+        per = self.replica_batch(num_replicas)
+        start = k * per * num_replicas + replica * per
+        positions = torch.arange(start, start + per) % len(order)
         return order[positions].tolist()
 
     def __call__(self, step: int, replica: int, num_replicas: int) -> Any:
@@ -137,8 +186,9 @@ class DatasetBatches:
 
 def batches_from_dataset(
     dataset: Dataset[Any] | Sequence[Any],
-    batch_size: int,
+    batch_size: int | None = None,
     *,
+    global_batch_size: int | None = None,
     seed: int = 0,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     drop_last: bool = True,
@@ -146,7 +196,9 @@ def batches_from_dataset(
 ) -> DatasetBatches:
     """The ``batches`` callback of a `TrainSpec` over a map-style dataset.
 
-    ``batch_size`` samples per replica per step, each epoch a seeded permutation split into
+    ``batch_size`` samples per replica per step, or ``global_batch_size`` samples per step
+    over all replicas (the job's global batch, kept on any topology that divides it: what
+    a resume on another topology needs), each epoch a seeded permutation split into
     disjoint per-replica slices (see [Note: the dataset cursor]); use it for ``val_batches``
     too, over the held-out dataset. The dataset is pickled into every worker.
 
@@ -160,6 +212,7 @@ def batches_from_dataset(
         collate_fn=collate_fn,
         drop_last=drop_last,
         shuffle=shuffle,
+        global_batch_size=global_batch_size,
     )
 
 

@@ -27,6 +27,7 @@ from recovery.names import FailureCause, Strategy, Tier
 from recovery.policy import RecoveryPolicy
 from recovery.rundir import FolderLock, RunDir, plot_loss
 from recovery.runtime import Controller, ControllerConfig, FitResult, StepRecord
+from recovery.snapshots.reshard import RESUME_MODES, Resume
 from recovery.worker import WorkerInfo
 
 __all__ = ["FitResult", "Trainer", "final_trajectory"]
@@ -36,6 +37,15 @@ def _snapshot_dir(policy: RecoveryPolicy, run_dir: RunDir | None) -> str | None:
     if policy.snapshots.dir is not None:
         return str(policy.snapshots.dir)
     return str(run_dir.file("snapshots")) if run_dir is not None else None
+
+
+def _resharded(old: Topology | None, new: Topology) -> str:
+    if old is None:
+        return ""
+    return (
+        f", resharded from {old.stages} stages x {old.replicas} replicas to "
+        f"{new.stages} x {new.replicas}"
+    )
 
 
 def final_trajectory(records: list[StepRecord]) -> list[float]:
@@ -80,6 +90,12 @@ class Trainer:
             ``on_fit_end(result)`` and ``on_fit_error(error)`` (any of them: see
             `recovery.Callback`) the driver calls, in this order, as the job trains. One
             that raises is logged, naming it, and training goes on.
+        resume: what to do with durable snapshots in the snapshot folder (`Resume`):
+            ``"auto"`` (default) resumes from the newest intact one if the same job on the
+            same topology wrote it (another topology is refused, naming both);
+            ``"reshard"`` also resumes on another topology, the state by parameter name
+            and the global batch kept (see docs/resume.md); ``"never"`` starts afresh, and
+            a folder that holds snapshots is refused before any worker starts.
         tensorboard: TensorBoard event files in ``<run_dir>/tensorboard`` (a
             `TensorBoardLogger`, called before ``callbacks``). None (default): when there
             is a ``run_dir`` and the tensorboard package is installed (``pip install
@@ -112,6 +128,7 @@ class Trainer:
         worker_resources: Mapping[str, float] | None = None,
         callbacks: Sequence[Callback] = (),
         tensorboard: bool | None = None,
+        resume: Resume = "auto",
     ) -> None:
         if not isinstance(spec, TrainSpec):
             raise ValueError(f"spec must be a TrainSpec, got {type(spec).__name__}")
@@ -128,6 +145,7 @@ class Trainer:
         check_int("eval_batches", eval_batches, minimum=0)
         check_int("threads_per_worker", threads_per_worker, minimum=1)
         check_bool("progress", progress)
+        self.resume: Resume = check_choice("resume", resume, RESUME_MODES)
         check_bool("collect_states", collect_states)
         self.callbacks = CallbackList(callbacks)
         if tensorboard is not None and not isinstance(tensorboard, bool):
@@ -175,6 +193,8 @@ class Trainer:
             eval_batches=max(1, eval_batches),
             work_dir=str(self.run_dir.file("checkpoints")) if self.run_dir else None,
             snapshot_dir=_snapshot_dir(policy, self.run_dir),
+            resume=resume != "never",
+            reshard=resume == "reshard",
         )
         if policy.snapshots.durable_every is not None and self.config.snapshot_dir is None:
             raise ValueError(
@@ -356,7 +376,8 @@ class Trainer:
             strategy=Strategy.ROLLBACK,
             lost_steps=max(0, reached - step),
             tier=Tier.DURABLE,
-            detail=f"resumed from the durable snapshot of step {step} in {self.config.snapshot_dir}",
+            detail=f"resumed from the durable snapshot of step {step} in {self.config.snapshot_dir}"
+            + _resharded(controller.persistence.resharded_from, self.topology),
         )
         controller.events.append(event)
         controller.on_event(event)

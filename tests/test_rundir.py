@@ -75,7 +75,12 @@ def test_a_resume_reads_past_a_torn_metrics_line(tmp_path: Path) -> None:
     _written(tmp_path)
     trainer = Trainer(mlp_spec(), topology=Topology(2, 1), run_dir=tmp_path)
     controller = types.SimpleNamespace(
-        resumed_from=2, records=[], events=[], generation=0, on_event=lambda event: None
+        resumed_from=2,
+        records=[],
+        events=[],
+        generation=0,
+        on_event=lambda event: None,
+        persistence=types.SimpleNamespace(resharded_from=None),  # the same topology's
     )
     trainer._note_resume(controller, _ProgressBar(4, enabled=False))  # type: ignore[arg-type]
     assert [r.step for r in controller.records] == [0, 1]

@@ -339,6 +339,17 @@ class LlamaStage(nn.Module):
         """Whether this stage holds the final norm and output head."""
         return self.output is not None
 
+    def global_name(self, name: str) -> str:
+        """What ``name`` (a ``state_dict`` key of this stage) is called in the whole model:
+        its blocks numbered globally (``layers.0.*`` of a stage whose blocks start at 3 is
+        ``layers.3.*``), the rest as it is -- so a resume on another stage cut finds each
+        tensor by name (see [Note: resharding a snapshot] in recovery/snapshots/reshard.py)."""
+        head, _, rest = name.partition(".")
+        index, _, tail = rest.partition(".")
+        if head != "layers" or not index.isdigit():
+            return name
+        return f"layers.{self.block_range.start + int(index)}.{tail}"
+
     @torch.no_grad()
     def init_weights(self) -> None:
         """(Re)initialise every parameter from the current torch RNG, in module order.

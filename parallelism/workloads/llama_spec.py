@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from parallelism.checks import check_bool, check_int, check_number
-from parallelism.spec import ScheduleName, TrainSpec, linear_warmup
+from parallelism.datasets import TokenWindows, batches_from_dataset
+from parallelism.spec import BatchFn, ScheduleName, TrainSpec, linear_warmup
 from parallelism.workloads.data import LMBatches, TokenCorpus
 from parallelism.workloads.llama import (
     LlamaConfig,
@@ -46,6 +47,7 @@ def llama_spec(
     max_bytes: int = 8_000_000,
     checkfree_plus: bool = False,
     shard_optimizer: bool = False,
+    global_batch_size: int | None = None,
     **config_overrides: int | float,
 ) -> TrainSpec:
     """A LLaMA-style decoder trained on byte-level text.
@@ -64,6 +66,12 @@ def llama_spec(
             stage ``S-2`` (needs ``RecoveryPolicy(approximate="checkfree+")`` to be used).
         shard_optimizer: ZeRO-1 -- AdamW state sharded over each stage's replicas,
             each shard mirrored on the ring neighbour.
+        global_batch_size: samples per step over all replicas, whatever their number:
+            the corpus's non-overlapping windows read in a seeded order per epoch
+            (`batches_from_dataset` over `TokenWindows`), so the job can resume on another
+            topology (``Trainer(resume="reshard")``) with the same samples in every step.
+            None (default): ``microbatch_size * microbatches`` windows per replica, drawn
+            at random offsets (`LMBatches`).
         config_overrides: fields of `LlamaConfig` to change (``dim=``, ``n_layers=``...).
 
     Raises:
@@ -90,6 +98,15 @@ def llama_spec(
         microbatches=microbatches,
         seed=seed,
     )
+    batches: BatchFn = data_fn
+    val_batches: BatchFn = data_fn.validation
+    if global_batch_size is not None:
+        batches = batches_from_dataset(
+            TokenWindows(corpus, seq), global_batch_size=global_batch_size, seed=seed
+        )
+        val_batches = batches_from_dataset(
+            TokenWindows(corpus, seq, "val"), global_batch_size=global_batch_size, seed=seed
+        )
     build = functools.partial(build_llama_stage, config)
     if checkfree_plus:
         build = functools.partial(build_llama_stage, config, edge_replicas=True, replica_seed=seed)
@@ -97,8 +114,8 @@ def llama_spec(
         build_stage=build,
         loss_fn=llama_loss,
         make_optimizer=functools.partial(adamw, lr=lr, weight_decay=weight_decay),
-        batches=data_fn,
-        val_batches=data_fn.validation,
+        batches=batches,
+        val_batches=val_batches,
         microbatches=microbatches,
         seed=seed,
         schedule=schedule,

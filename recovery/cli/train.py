@@ -9,6 +9,7 @@
     checkfree train --failures "kill:step=20,stage=1,replica=0;poisson:rate=0.002"
     checkfree train --replicas 1 --approximate checkfree --failures kill:step=100,stage=2,replica=0
     checkfree train --durable-every 50 --out runs/long   # re-run the same line to resume
+    checkfree train --durable-every 50 --global-batch 32 --out runs/long --resume reshard --replicas 4
     checkfree train --replicas 3 --fingerprint-every      # silent-corruption vote, K=100
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- python scripts/train.py
 
@@ -44,6 +45,7 @@ from recovery.policy import (
     Timeouts,
 )
 from recovery.rundir import RunDir
+from recovery.snapshots.reshard import RESUME_MODES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,6 +176,23 @@ def build_parser() -> argparse.ArgumentParser:
         "command with the same --out resumes from the newest one (0: off)",
     )
     g.add_argument(
+        "--resume",
+        choices=RESUME_MODES,
+        default="auto",
+        help="what to do with durable snapshots in <out>/snapshots: auto resumes the same "
+        "job on the same topology, reshard also on another one (--stages, --replicas; state "
+        "by parameter name, the global batch kept), never starts afresh and refuses a "
+        "folder that holds snapshots (default auto; see docs/resume.md)",
+    )
+    g.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="samples per step over all replicas, kept on any topology that divides it "
+        "(needed to --resume reshard onto another replica count); default: "
+        "--microbatch-size x --microbatches per replica (llama), --batch-size per worker (dlrm)",
+    )
+    g.add_argument(
         "--zero1",
         action="store_true",
         help="shard each stage's optimizer state over its replicas (ZeRO-1), every shard "
@@ -231,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             data=args.data,
             batch_size=args.batch_size,
             seed=args.seed,
+            global_batch_size=args.global_batch,
         )
     else:
         overrides = {
@@ -257,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             checkfree_plus=args.approximate == "checkfree+",
             shard_optimizer=args.zero1,
+            global_batch_size=args.global_batch,
             **overrides,
         )
     topology = Topology(
@@ -296,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         progress=not args.no_progress,
         eval_every=args.eval_every,
         collect_states=False,
+        resume=args.resume,
     )
     print(
         f"checkfree: {spec.name} {overrides}, {topology} workers, {args.steps} steps -> {run_dir.path}"

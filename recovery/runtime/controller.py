@@ -158,6 +158,9 @@ class ControllerConfig:
     """Resume from the newest intact durable snapshot in ``snapshot_dir``, if one exists.
     False: start afresh; a ``snapshot_dir`` holding complete snapshots is then refused at
     the start (`claim_snapshot_folder`)."""
+    reshard: bool = False
+    """With ``resume``, also resume from a snapshot another topology wrote, by parameter
+    name (``Trainer(resume="reshard")``; see [Note: resharding a snapshot])."""
     worker_options: dict[str, Any] = field(default_factory=dict)
     """Extra Ray actor options for every worker (`RayWorkerGroup` only)."""
     worker_resources: dict[str, float] | None = None
@@ -339,7 +342,9 @@ class Controller:
         members.form_generation()
         step = 0
         if self.policy.snapshots.durable_every is not None:
-            self.resumed_from = self.persistence.open_durable(resume=self.config.resume)
+            self.resumed_from = self.persistence.open_durable(
+                resume=self.config.resume, reshard=self.config.reshard
+            )
             if self.resumed_from is not None:
                 step = self.resumed_from
         self.layout.seed_mirrors(group, None, {}, self.ledger.ring, self.policy.timeouts.transfer)

@@ -28,6 +28,7 @@ from recovery.runtime.executor import Restore
 from recovery.runtime.ledger import RedundancyLedger
 from recovery.snapshots import DurableStore, SnapshotFolder
 from recovery.snapshots.identity import job_identity
+from recovery.snapshots.reshard import check_reshard
 from recovery.worker import StageWorker, StepReport
 
 __all__ = ["Persistence", "SkippedSnapshot", "claim_snapshot_folder"]
@@ -81,9 +82,9 @@ def claim_snapshot_folder(
         shown = ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else "")
         raise ValueError(
             f"the snapshot folder {snapshot_dir} holds durable snapshots (steps {shown}), and "
-            "this job starts afresh (resume=False): its snapshots would land on them. To start "
-            "from scratch, move the folder away (or give this job another one); to go on "
-            "from them, resume (resume=True)"
+            'this job starts afresh (resume="never"): its snapshots would land on them. To '
+            "start from scratch, move the folder away (or give this job another one); to go "
+            'on from them, resume (resume="auto", or "reshard" on another topology)'
         )
     return lock
 
@@ -128,6 +129,8 @@ class Persistence:
         self._in_a_row = 0
         self.timings: dict[str, list[float]] = {}
         """Seconds the job was blocked, per kind of work (checkpoint and snapshot writes)."""
+        self.resharded_from: Topology | None = None
+        """The layout whose durable snapshot this job resumed from, if it was another one."""
 
     def meta(self) -> dict[str, Any]:
         """What identifies this job in a durable snapshot: a re-run must match it to resume
@@ -171,12 +174,16 @@ class Persistence:
 
     # -- durable tier --------------------------------------------------------------------
 
-    def open_durable(self, *, resume: bool) -> int | None:
+    def open_durable(self, *, resume: bool, reshard: bool = False) -> int | None:
         """Open the durable tier; with ``resume``, load its newest intact snapshot into
-        every worker. Returns the step resumed from, or None.
+        every worker -- with ``reshard`` also one another topology wrote, by parameter
+        name (`resharded_from` then names it; see [Note: resharding a snapshot]). Returns
+        the step resumed from, or None.
 
         Raises:
-            ValueError: if there is no snapshot folder, or its snapshots belong to another job.
+            ValueError: if there is no snapshot folder, its snapshots belong to another job
+                or (without ``reshard``) another topology, or a reshard cannot be exact
+                (`recovery.snapshots.reshard.check_reshard`).
             RecoveryError: if snapshots exist but none is intact.
         """
         if not self.snapshot_dir:
@@ -195,7 +202,15 @@ class Persistence:
             except SnapshotCorrupted as exc:
                 log.warning("durable snapshot of step %d is not intact, skipping it: %s", step, exc)
                 continue
-            self._check_layout(step, written_by.get("topology"))
+            old = self._check_layout(step, written_by.get("topology"), reshard=reshard)
+            if old is not None:
+                try:
+                    return self._reshard(step, old)
+                except SnapshotCorrupted as exc:
+                    log.warning(
+                        "durable snapshot of step %d is not intact, skipping it: %s", step, exc
+                    )
+                    continue
             self.durable.check_meta(step, self.meta())
             problems = self.durable.verify(step, self.topology.world_size)
             if problems:
@@ -232,23 +247,70 @@ class Persistence:
             )
         return None
 
-    def _check_layout(self, step: int, theirs: object) -> None:
-        """Refuse the durable snapshot of ``step`` if a job of another layout wrote it
-        (``theirs``: its ``[stages, replicas]``).
+    def _check_layout(self, step: int, theirs: object, *, reshard: bool) -> Topology | None:
+        """The layout that wrote the durable snapshot of ``step`` (``theirs``: its
+        ``[stages, replicas]``) if it is another one and ``reshard`` allows it; None for
+        this job's own.
 
         Raises:
-            ValueError: naming both layouts and what to do.
+            ValueError: for another layout without ``reshard``, naming both layouts and
+                what to do.
         """
         ours = [self.topology.stages, self.topology.replicas]
         if theirs == ours or not (isinstance(theirs, list) and len(theirs) == 2):
-            return  # a malformed entry is check_meta's to report
+            return None  # a malformed entry is check_meta's to report
+        if reshard:
+            return Topology(stages=int(theirs[0]), replicas=int(theirs[1]))
         raise ValueError(
             f"the durable snapshot of step {step} in {self.snapshot_dir} was written by a job "
             f"of {_layout(*theirs)}, and this job is {_layout(*ours)}: a snapshot holds one "
-            f"state per worker, so only the layout that wrote it can resume from it. Resume "
-            f"with Topology(stages={theirs[0]}, replicas={theirs[1]}), or start afresh with "
-            "another run folder (the snapshots are intact and were left as they are)"
+            f"state per worker, so only the layout that wrote it can resume from it as it "
+            f"is. Resume with Topology(stages={theirs[0]}, replicas={theirs[1]}), or on this "
+            'layout with resume="reshard" (state by parameter name, the global batch kept), '
+            "or start afresh with another run folder (the snapshots are intact and were left "
+            "as they are)"
         )
+
+    def _reshard(self, step: int, old: Topology) -> int:
+        """Resume from the durable snapshot of ``step``, written by a job of ``old``:
+        every worker gathers its state by name. The same job is required (its identity,
+        but not its layout nor its microbatch count: a step's math does not depend on
+        them); no older snapshot of the other layout is kept as a rollback point.
+
+        Raises:
+            ValueError: for another job, or a reshard that cannot be exact.
+            SnapshotCorrupted: if the snapshot is not intact.
+        """
+        assert self.durable is not None
+        check_reshard(self.spec, old, self.topology)
+        same = {k: v for k, v in self.meta().items() if k not in ("topology", "microbatches")}
+        self.durable.check_meta(step, same)
+        problems = self.durable.verify(step, old.world_size)
+        if problems:
+            raise SnapshotCorrupted(
+                f"the durable snapshot of step {step} ({_layout(old.stages, old.replicas)}) "
+                f"to reshard is not intact: {'; '.join(problems)}"
+            )
+        self._all(
+            StageWorker.durable_reshard,
+            f"reshard the durable snapshot of step {step}",
+            self.snapshot_dir,
+            step,
+            old.stages,
+            old.replicas,
+            timeout=self.policy.timeouts.save,
+        )
+        self.durable.discard_after(step)
+        self.ledger.durable_steps = []
+        self.resharded_from = old
+        log.warning(
+            "resumed from the durable snapshot of step %d in %s, resharded from %s to %s",
+            step,
+            self.snapshot_dir,
+            _layout(old.stages, old.replicas),
+            _layout(self.topology.stages, self.topology.replicas),
+        )
+        return step
 
     def _check_shared(self, root: str) -> None:
         """Refuse a durable folder some worker cannot see (several nodes, no shared file

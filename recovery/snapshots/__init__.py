@@ -9,6 +9,8 @@
   helpers the durable tier shares.
 - ``identity``: `job_identity`, what a durable snapshot records about the job, so that a
   re-run only resumes the same job.
+- ``reshard``: `load_resharded`, a durable snapshot of another topology loaded by
+  parameter name (``Trainer(resume="reshard")``).
 
 Snapshots for the ``rollback`` strategy come in two tiers: peer memory and durable files.
 

@@ -52,6 +52,7 @@ from recovery.snapshots.folder import (
     SnapshotFolder,
     file_digest,
 )
+from recovery.snapshots.reshard import renamed
 from recovery.state import Progress, WorkerState, dcp_state
 
 __all__ = [
@@ -173,6 +174,10 @@ class DurableStore(SnapshotFolder):
         step = state.step
         check_index("rank", rank)
         extra = dict(info or {})
+        # A stage's names that are not the model's, for a reshard ([Note: resharding a snapshot]).
+        names = renamed(state.module)
+        if names:
+            extra.setdefault("names", names)
         try:
             json.dumps(extra)
         except TypeError as exc:
@@ -305,16 +310,13 @@ class DurableStore(SnapshotFolder):
 
     # -- loading (workers) ----------------------------------------------------------------
 
-    def load(self, step: int, rank: int, state: WorkerState) -> Progress:
-        """Verify worker ``rank``'s files of ``step`` (every byte), then load them into
-        ``state``'s module and optimizer. Returns the progress they hold (for the caller to
-        adopt; its step is ``step``).
+    def verified_rank(self, step: int, rank: int) -> Path:
+        """Worker ``rank``'s folder of ``step``, once every byte of it has been verified.
 
         Raises:
             ValueError: for a bad step or rank, or a rank outside the snapshot's job.
             FileNotFoundError: if ``step`` is not complete (missing or torn).
-            SnapshotCorrupted: naming the file and the problem (verification failures
-                are found before anything is loaded).
+            SnapshotCorrupted: naming the file and the problem.
         """
         check_index("step", step)
         check_index("rank", rank)
@@ -331,7 +333,20 @@ class DurableStore(SnapshotFolder):
                 f"not loaded: {'; '.join(problems)}. Roll back to an older intact snapshot "
                 "(DurableStore.newest_intact)."
             )
-        loaded = load_worker_state(checkpoint_path(self.root, step, rank), state)
+        return checkpoint_path(self.root, step, rank)
+
+    def load(self, step: int, rank: int, state: WorkerState) -> Progress:
+        """Verify worker ``rank``'s files of ``step`` (every byte), then load them into
+        ``state``'s module and optimizer. Returns the progress they hold (for the caller to
+        adopt; its step is ``step``).
+
+        Raises:
+            ValueError: for a bad step or rank, or a rank outside the snapshot's job.
+            FileNotFoundError: if ``step`` is not complete (missing or torn).
+            SnapshotCorrupted: naming the file and the problem (verification failures
+                are found before anything is loaded).
+        """
+        loaded = load_worker_state(self.verified_rank(step, rank), state)
         if loaded.step != step:
             raise SnapshotCorrupted(
                 f"{checkpoint_path(self.root, step, rank)}: holds step {loaded.step}, not {step}"

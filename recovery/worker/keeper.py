@@ -14,10 +14,12 @@ import logging
 import threading
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 
 from parallelism.comm import GarbledMessage, ReceiveBudget, StageComm, empty_received
+from parallelism.topology import Topology
 from recovery.snapshots import (
     DurableStore,
     PackedState,
@@ -25,6 +27,7 @@ from recovery.snapshots import (
     WriteHandle,
     pack_state,
 )
+from recovery.snapshots.reshard import load_resharded, load_resharded_tables
 from recovery.state import Progress, WorkerState
 from recovery.wire import MAX_HEADER_BYTES, MAX_TENSOR_BYTES
 
@@ -272,6 +275,24 @@ class SnapshotKeeper:
         assert self._durable is not None
         self._writes = {}
         return self._durable.load(step, rank, state)
+
+    def load_resharded(
+        self, root: str, step: int, old: Topology, state: WorkerState, rows: Any = None
+    ) -> Progress:
+        """`load_durable` from the snapshot of a job of topology ``old`` (another cut or
+        replica count): ``state``'s tensors by name (`recovery.snapshots.reshard`), a
+        table worker's ``rows`` by row range. Returns the progress to adopt.
+
+        Raises:
+            SnapshotCorrupted: if a file read fails its checksum.
+            ValueError: if the snapshot does not hold this stage's tensors exactly once.
+        """
+        self._store(root, timedelta(0))
+        assert self._durable is not None
+        self._writes = {}
+        if rows is not None:
+            return load_resharded_tables(self._durable, step, old, state, rows)
+        return load_resharded(self._durable, step, old, state)
 
     def _store(self, root: str, wait: timedelta) -> None:
         """The durable store of ``root`` (another folder's is dropped, its writes in flight

@@ -14,6 +14,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from parallelism.engine import StepStats
+from parallelism.topology import Topology
 from recovery.policy import Timeouts
 from recovery.snapshots import unpack_state
 from recovery.snapshots.checkpoint import load_checkpoint, save_checkpoint
@@ -134,6 +135,27 @@ class Snapshotting(WorkerLifecycle):
         """
         self._rolled_back(self.snapshots.load_durable(root, step, self.rank, self.own_state()))
         return self.step
+
+    def durable_reshard(self, root: str, step: int, stages: int, replicas: int) -> int:
+        """Load this worker's part of the durable snapshot of ``step`` that a job of
+        ``stages`` x ``replicas`` wrote: its tensors by name (see [Note: resharding a
+        snapshot] in recovery/snapshots/reshard.py). Returns the step.
+
+        Raises:
+            SnapshotCorrupted: if a file read fails its checksum.
+            ValueError: if the snapshot does not hold this stage's tensors exactly once, or
+                mixes CheckFree rebuild marks in this stage.
+        """
+        old = Topology(stages=stages, replicas=replicas)
+        progress = self.snapshots.load_resharded(
+            root, step, old, self.own_state(), self._reshard_rows()
+        )
+        self._rolled_back(progress)
+        return self.step
+
+    def _reshard_rows(self) -> list[tuple[int, int]] | None:
+        """The table rows a reshard gathers by row range (a table worker's shard); None."""
+        return None
 
     def _rolled_back(self, progress: Progress) -> None:
         """After restoring a snapshot's module and optimizer state: take its progress (a

@@ -136,6 +136,10 @@ class TableWorker(StageWorker):
         self._start_fresh()
         return time.perf_counter() - start
 
+    def _reshard_rows(self) -> list[tuple[int, int]] | None:
+        """This shard's rows of each table: a reshard gathers them by row range."""
+        return list(self.table.shard.layout.shard_rows(self.table.shard.shard))
+
     def join(
         self,
         generation: int,

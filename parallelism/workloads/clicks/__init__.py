@@ -12,7 +12,7 @@ in memory or, built with `ClickDataset.from_criteo`, from a file of any size); a
 logs to workers]).
 """
 
-from parallelism.workloads.clicks.batch import ClickBatch, ClickSource
+from parallelism.workloads.clicks.batch import ClickBatch, ClickSource, GlobalClicks
 from parallelism.workloads.clicks.criteo import (
     CRITEO_DENSE,
     CRITEO_SPARSE,
@@ -30,5 +30,6 @@ __all__ = [
     "ClickDataset",
     "ClickLogs",
     "ClickSource",
+    "GlobalClicks",
     "read_criteo",
 ]

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from parallelism.checks import check_index, check_positive_int
 
-__all__ = ["ClickBatch", "ClickSource"]
+__all__ = ["ClickBatch", "ClickSource", "GlobalClicks"]
 
 _SPLITS = {"train": 0, "val": 1}
 
@@ -142,3 +142,42 @@ class ClickSource(abc.ABC):
         """
         check_positive_int("samples", samples)
         return self._draw("val", [self.seed, len(_SPLITS), samples], samples, fixed=True)
+
+
+@dataclass(frozen=True)
+class GlobalClicks:
+    """``(step, replica, num_replicas) -> ClickBatch``: replica ``replica``'s run of the
+    step's one global batch of ``global_batch_size`` samples, drawn from ``source`` by the
+    step alone -- so every step reads the same samples whatever the replica count, and the
+    job can resume on another one (``Trainer(resume="reshard")``).
+
+    Raises:
+        ValueError: for a global batch that is not a positive integer, or (when called) a
+            replica count that does not divide it, naming both.
+    """
+
+    source: ClickSource
+    global_batch_size: int
+
+    def __post_init__(self) -> None:
+        check_positive_int("global_batch_size", self.global_batch_size)
+
+    def __call__(self, step: int, replica: int, num_replicas: int) -> ClickBatch:
+        check_index("step", step)
+        check_positive_int("num_replicas", num_replicas)
+        check_index("replica", replica, num_replicas)
+        per, rest = divmod(self.global_batch_size, num_replicas)
+        if rest or not per:
+            raise ValueError(
+                f"a global batch of {self.global_batch_size} samples does not divide among "
+                f"{num_replicas} replicas: use a replica count that divides "
+                f"{self.global_batch_size}, or another global_batch_size"
+            )
+        # Keyed [seed, split, step]: no microbatch's key (five parts) nor the held-out set's.
+        whole = self.source._draw(
+            "train", [self.source.seed, _SPLITS["train"], int(step)], self.global_batch_size
+        )
+        part = slice(replica * per, (replica + 1) * per)
+        return ClickBatch(
+            dense=whole.dense[part], sparse=whole.sparse[part], labels=whole.labels[part]
+        )

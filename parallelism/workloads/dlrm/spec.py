@@ -17,7 +17,7 @@ from torch import nn
 
 from parallelism.checks import check_number
 from parallelism.spec import TrainSpec
-from parallelism.workloads.clicks import Categorical, ClickDataset, ClickLogs
+from parallelism.workloads.clicks import Categorical, ClickDataset, ClickLogs, GlobalClicks
 from parallelism.workloads.dlrm.model import DenseDLRM, DLRMConfig, dlrm_loss
 from parallelism.workloads.dlrm.training import DLRMTraining
 
@@ -37,6 +37,7 @@ def dlrm_spec(
     seed: int = 0,
     zipf_alpha: float = 1.05,
     categorical: Categorical = "hash",
+    global_batch_size: int | None = None,
     **config_overrides: object,
 ) -> TrainSpec:
     """A DLRM-style recommendation model on click logs, its tables row-sharded.
@@ -51,6 +52,10 @@ def dlrm_spec(
         batch_size: samples per worker per step.
         sparse_lr, dense_lr: row-wise Adagrad of the rows, Adam of the dense part.
         categorical: how the Criteo file names rows, ``"hash"`` or ``"index"``.
+        global_batch_size: samples per step over all workers, whatever their number (one
+            draw per step, each worker its run of it: `GlobalClicks`), so the job can
+            resume on another worker count (``Trainer(resume="reshard")``, the rows
+            redistributed by range); None (default): ``batch_size`` per worker.
         config_overrides: fields of `parallelism.workloads.dlrm.DLRMConfig` to change.
 
     Raises:
@@ -83,7 +88,7 @@ def dlrm_spec(
         build_stage=functools.partial(_dense_stage, config),
         loss_fn=dlrm_loss,
         make_optimizer=functools.partial(torch.optim.Adam, lr=dense_lr),
-        batches=source,
+        batches=source if global_batch_size is None else GlobalClicks(source, global_batch_size),
         val_batches=source.validation,
         microbatches=1,
         seed=seed,
