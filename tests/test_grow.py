@@ -22,7 +22,10 @@ from recovery.groups.ray_env import local_cluster
 from recovery.reference import differences
 from tests.workloads import mlp_spec
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+# Slow (2 x 900 steps on a cluster of its own): the default run has the same shrink and grow
+# on a real multi-node cluster, driven step by step (tests/test_resources.py), and in a
+# job on threads (tests/test_elastic.py).
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(600)]
 
 STEPS = 900
 TOP = Topology(2, 2)

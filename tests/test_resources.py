@@ -170,8 +170,7 @@ def test_a_node_loss_with_no_room_left_fails_after_replace_timeout(cluster) -> N
     assert timeout_s <= took < timeout_s + 20, took
 
 
-@pytest.mark.slow  # the default run has tests/test_grow.py: the same, in a free-running fit
-@pytest.mark.ray
+@pytest.mark.ray  # (tests/test_grow.py, slow, does the same in a free-running fit)
 @pytest.mark.timeout(300)
 def test_a_node_loss_with_no_room_shrinks_and_grows_back_when_a_node_joins(cluster) -> None:  # type: ignore[no-untyped-def]
     """The same full cluster with ``elastic=True``: the job shrinks at once (no wait for
