@@ -255,7 +255,11 @@ class ThreadWorkerGroup(WorkerGroup):
         worker.dead.set()
         worker.worker.released.set()  # type: ignore[attr-defined]
         with contextlib.suppress(Exception):
-            worker.worker.abort()
+            # Every generation of this job, the one it may be about to join included: a
+            # thread cannot be stopped, and a join it began after the abort would otherwise
+            # sit on the store until the store's timeout, holding the formation up (a
+            # process killed there takes its sockets with it).
+            worker.worker.abort(sys.maxsize, self.job)
 
     def info(self, rank: int) -> WorkerInfo:
         return self._workers[rank].info
