@@ -27,6 +27,7 @@ __all__ = [
     "check_number",
     "check_positive_int",
     "check_renamed",
+    "check_replica_share",
 ]
 
 _T = TypeVar("_T")
@@ -179,3 +180,20 @@ def check_renamed(
             for key in old
         )
         raise ValueError(f"renamed key(s) in {where}: {renames}")
+
+
+def check_replica_share(global_batch_size: int, num_replicas: int) -> int:
+    """The samples each of ``num_replicas`` replicas reads of a step's global batch.
+
+    Raises:
+        ValueError: if ``num_replicas`` does not divide ``global_batch_size``, naming both.
+    """
+    check_positive_int("num_replicas", num_replicas)
+    per, rest = divmod(global_batch_size, num_replicas)
+    if rest or not per:
+        raise ValueError(
+            f"a global batch of {global_batch_size} samples does not divide among "
+            f"{num_replicas} replicas: use a replica count that divides "
+            f"{global_batch_size}, or another global_batch_size"
+        )
+    return per

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import Dataset, IterableDataset, default_collate
 
-from parallelism.checks import check_positive_int
+from parallelism.checks import check_positive_int, check_replica_share
 from parallelism.seeding import derive_seed
 
 if TYPE_CHECKING:
@@ -116,14 +116,7 @@ class DatasetBatches:
         if self.batch_size is not None:
             return self.batch_size
         assert self.global_batch_size is not None
-        per, rest = divmod(self.global_batch_size, num_replicas)
-        if rest or not per:
-            raise ValueError(
-                f"a global batch of {self.global_batch_size} samples does not divide among "
-                f"{num_replicas} replicas: use a replica count that divides "
-                f"{self.global_batch_size}, or another global_batch_size"
-            )
-        return per
+        return check_replica_share(self.global_batch_size, num_replicas)
 
     def global_batch(self, num_replicas: int) -> int:
         """Samples per step over ``num_replicas`` replicas.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from parallelism.checks import check_index, check_positive_int
+from parallelism.checks import check_index, check_positive_int, check_replica_share
 
 __all__ = ["ClickBatch", "ClickSource", "GlobalClicks"]
 
@@ -164,15 +164,8 @@ class GlobalClicks:
 
     def __call__(self, step: int, replica: int, num_replicas: int) -> ClickBatch:
         check_index("step", step)
-        check_positive_int("num_replicas", num_replicas)
+        per = check_replica_share(self.global_batch_size, num_replicas)
         check_index("replica", replica, num_replicas)
-        per, rest = divmod(self.global_batch_size, num_replicas)
-        if rest or not per:
-            raise ValueError(
-                f"a global batch of {self.global_batch_size} samples does not divide among "
-                f"{num_replicas} replicas: use a replica count that divides "
-                f"{self.global_batch_size}, or another global_batch_size"
-            )
         # Keyed [seed, split, step]: no microbatch's key (five parts) nor the held-out set's.
         whole = self.source._draw(
             "train", [self.source.seed, _SPLITS["train"], int(step)], self.global_batch_size
