@@ -175,6 +175,7 @@ def test_train_script_dlrm_recovers_a_shard_partially(
 
 
 @pytest.mark.ray
+@pytest.mark.takes_ray_down
 @pytest.mark.timeout(600)
 def test_ray_job_submit_of_the_train_script(tmp_path: Path) -> None:
     """`ray start --head` on 127.0.0.1, `ray job submit` of scripts/train.py, `ray stop`."""
