@@ -48,6 +48,7 @@ __all__ = [
     "RecoveryPolicy",
     "RestartBaseline",
     "SnapshotPolicy",
+    "StragglerPolicy",
     "Timeouts",
 ]
 
@@ -151,6 +152,48 @@ class RestartBaseline:
 
     def __post_init__(self) -> None:
         check_positive_int(_name(RestartBaseline, "checkpoint_every"), self.checkpoint_every)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StragglerPolicy:
+    """Stragglers: a worker persistently slower than the other replicas of its stage is
+    replaced like a dead one (see [Note: stragglers] in recovery/runtime/stragglers.py and
+    docs/stragglers.md). ``RecoveryPolicy(stragglers=True)`` turns it on with these
+    defaults.
+
+    Raises:
+        ValueError: naming the bad field and value.
+    """
+
+    factor: float = 2.0
+    """A step is slow for a worker when its compute time (forward and backward, waits on
+    peers excluded) exceeds this many times the median of its stage's other replicas' in
+    that step. 2: a 3x straggler is far above it, while the replicas of a healthy stage,
+    which do the same work, stay within a few tens of percent of each other; and a whole
+    machine that slows down slows every replica together, which leaves the ratio near 1."""
+    patience: int = 20
+    """The window: a worker is a straggler when at least ``quorum`` of its last this many
+    steps were slow. 20 steps is a fraction of a second to a few seconds of training: a
+    short hiccup (a page-cache flush, a burst of another process) covers a few steps, not
+    half of 20."""
+    quorum: float = 0.5
+    """The fraction of the window that must be slow. Not 1 (every step): a worker slowed by
+    being stopped and continued in a duty cycle, or by a neighbour that comes and goes, is
+    slow in most steps, not all -- some of its steps' computation falls between two
+    stops. 0.5 needs as many slow steps as fast ones: a single noisy step never decides."""
+    min_gap_s: float = 0.001
+    """And by at least this many seconds (its compute minus the median): a ratio of two
+    tiny times (a 100 us stage) is noise, not a straggler."""
+
+    def __post_init__(self) -> None:
+        check_number(_name(StragglerPolicy, "factor"), self.factor, minimum=1.0)
+        if self.factor <= 1.0:
+            raise ValueError(
+                f"{_name(StragglerPolicy, 'factor')} must be greater than 1, got {self.factor!r}"
+            )
+        check_positive_int(_name(StragglerPolicy, "patience"), self.patience)
+        check_fraction(_name(StragglerPolicy, "quorum"), self.quorum, open_low=True)
+        check_number(_name(StragglerPolicy, "min_gap_s"), self.min_gap_s, minimum=0.0)
 
 
 Guarding = Literal["hang", "save", "control"]
@@ -306,6 +349,7 @@ _PARTS: dict[str, type] = {
     "mirrors": MirrorPolicy,
     "baseline": RestartBaseline,
     "timeouts": Timeouts,
+    "stragglers": StragglerPolicy,
 }
 _PART_OF = {cls: name for name, cls in _PARTS.items()}
 
@@ -411,6 +455,11 @@ class RecoveryPolicy:
     """The restart baseline's checkpoints."""
     timeouts: Timeouts = field(default_factory=Timeouts)
     """Every wait of the runtime."""
+    stragglers: StragglerPolicy | None = None
+    """Replace a worker persistently slower than its stage's other replicas, as if it had
+    died (`StragglerPolicy`; ``True``: its defaults). None or False: off -- a slow worker
+    slows every step of the job. Needs two or more replicas (a stage alone has nothing to
+    be compared with: none of its workers is ever found slow)."""
 
     # A hand-written constructor, only to refuse the old flat names with their home: the
     # generated one would reject them as unexpected, without saying where they went.
@@ -460,8 +509,13 @@ class RecoveryPolicy:
         check_int("max_recoveries", self.max_recoveries, minimum=0, optional=True)
         check_int("comm_retries", self.comm_retries, minimum=0)
         check_int("fingerprint_every", self.fingerprint_every, minimum=0, optional=True)
+        if self.stragglers is True:
+            object.__setattr__(self, "stragglers", StragglerPolicy())
+        elif self.stragglers is False:
+            object.__setattr__(self, "stragglers", None)
         for name, cls in {"checkfree": CheckFreeConfig, **_PARTS}.items():
-            object.__setattr__(self, name, _part(name, cls, getattr(self, name)))
+            if getattr(self, name) is not None or name != "stragglers":
+                object.__setattr__(self, name, _part(name, cls, getattr(self, name)))
 
     def allows(self, strategy: str) -> bool:
         """Whether the planner may use ``strategy``."""
