@@ -166,24 +166,26 @@ class StragglerPolicy:
     """
 
     factor: float = 2.0
-    """A step is slow for a worker when its compute time (forward and backward, waits on
-    peers excluded) exceeds this many times the median of its stage's other replicas' in
-    that step. 2: a 3x straggler is far above it, while the replicas of a healthy stage,
-    which do the same work, stay within a few tens of percent of each other; and a whole
-    machine that slows down slows every replica together, which leaves the ratio near 1."""
+    """A worker is a straggler when its compute time (forward and backward passes, waits on
+    peers excluded) over the last ``patience`` steps exceeds this many times that of its
+    stage's other replicas (their median in each step, summed). 2: a 3x straggler is far
+    above it, while the replicas of a healthy stage, which do the same work, stay within
+    a few tens of percent of each other; and a whole machine that slows down slows every
+    replica together, which leaves the ratio near 1."""
     patience: int = 20
-    """The window: a worker is a straggler when at least ``quorum`` of its last this many
-    steps were slow. 20 steps is a fraction of a second to a few seconds of training: a
-    short hiccup (a page-cache flush, a burst of another process) covers a few steps, not
-    half of 20."""
-    quorum: float = 0.5
-    """The fraction of the window that must be slow. Not 1 (every step): a worker slowed by
-    being stopped and continued in a duty cycle, or by a neighbour that comes and goes, is
-    slow in most steps, not all -- some of its steps' computation falls between two
-    stops. 0.5 needs as many slow steps as fast ones: a single noisy step never decides."""
+    """The window, in steps. 20 steps is a fraction of a second to a few seconds of
+    training: long enough that a hiccup (a page-cache flush, a burst of another process)
+    is a small part of it, short enough that a 3x straggler costs little before it goes."""
+    quorum: float = 0.25
+    """And the worker was slow in at least this fraction of the window's steps (a step is
+    slow when its compute exceeds ``factor`` times the others' median in that step): a few
+    very slow steps -- one 100x step would raise a 20-step sum above 2x -- never decide.
+    Not 1 (every step): a worker stopped and continued in a duty cycle, or by a neighbour
+    that comes and goes, is slow in most steps, not all -- some steps' computation falls
+    between two stops."""
     min_gap_s: float = 0.001
-    """And by at least this many seconds (its compute minus the median): a ratio of two
-    tiny times (a 100 us stage) is noise, not a straggler."""
+    """And slower by at least this many seconds a step on average: a ratio of two tiny
+    times (a stage of 100 us) is noise, not a straggler."""
 
     def __post_init__(self) -> None:
         check_number(_name(StragglerPolicy, "factor"), self.factor, minimum=1.0)

@@ -21,7 +21,7 @@ from tests.jobs import drive, make
 from tests.workloads import mlp_spec
 
 TOP = Topology(4, 2)
-CONFIG = StragglerPolicy()  # the defaults: factor 2, a window of 20, half of it slow
+CONFIG = StragglerPolicy()  # the defaults: 2x over a window of 20, a quarter of it slow
 
 
 def _feed(
@@ -86,6 +86,25 @@ def test_a_single_noisy_step_never_triggers_however_slow() -> None:
         detector.observe(step, compute)
         hits += [s.rank for s in detector.found()]
     assert not hits
+
+
+def test_a_few_outliers_lift_the_sum_but_never_decide() -> None:
+    """Four steps in a window of 20 (one short of the quorum), each 100x slower: the
+    window's sum is 6x the others', but four steps are not a straggler."""
+    detector = StragglerDetector(TOP, CONFIG)
+    slow = TOP.rank(3, 1)
+    for step in range(200):
+        compute = _healthy(TOP)
+        if step % 20 < 4:
+            compute[slow] = 1.0
+        detector.observe(step, compute)
+        assert not detector.found(), step
+
+
+def test_a_mildly_slower_worker_is_no_straggler() -> None:
+    """1.5x in every step (a slower core, a busier neighbour): below the factor."""
+    detector = StragglerDetector(TOP, CONFIG)
+    assert not _feed(detector, range(200), _healthy(TOP) | {5: 0.015}, noise=0.1)
 
 
 def test_no_trigger_when_every_replica_slows_together() -> None:

@@ -18,15 +18,17 @@ batches of the same shape, so their times agree within noise; a whole machine th
 down (a CPU hog, thermal throttling) slows every replica together and leaves the ratio
 near 1.
 
-The rule (`StragglerPolicy`): a step is slow for a worker when its compute exceeds
-``factor`` times the median and by at least ``min_gap_s``; a worker is a straggler when
-at least ``quorum`` of its last ``patience`` steps were slow. A window and a quorum, not
-``patience`` slow steps in a row: a worker throttled in a duty cycle is slow in most
-steps, not all (some steps' computation falls between two stops), and one fast step
-would restart a run of slow ones; a single noisy step -- however slow -- is one of the
-window and never decides. No worker is judged before its window is full: in the first
-``patience`` steps of a job, or after a recovery (everything starts afresh there: the
-replacements' first steps warm up).
+The rule (`StragglerPolicy`), over a window of the last ``patience`` steps: a worker is a
+straggler when its compute over the window exceeds ``factor`` times the others' (their
+median in each step, summed) and by at least ``min_gap_s`` a step, *and* it was slow --
+above ``factor`` times the others' median -- in at least ``quorum`` of the window's steps.
+The first says it is persistently slower on average; the second that a few outliers did
+not make the average: one step 100x slower would lift a 20-step sum above 2x, but it is
+one slow step of 20. Not every step of the window need be slow: a worker throttled in a
+duty cycle is slow in most steps, not all (some steps' computation falls between two
+stops), and a run of slow steps broken by one fast one is no less a straggler. No worker
+is judged before its window is full: in the first ``patience`` steps of a job, or after a
+recovery (everything starts afresh there: the replacements' first steps warm up).
 
 What it cannot see: a stage with a single replica (nothing to compare with: never
 judged), a job that shrank (the complete pipelines compute the missing one's share: not
@@ -110,7 +112,7 @@ class StragglerDetector:
             for rank in group:
                 own = compute[rank]
                 others = statistics.median(compute[r] for r in group if r != rank)
-                slow = own > cfg.factor * others and own - others > cfg.min_gap_s
+                slow = own > cfg.factor * others
                 seen = self._seen.setdefault(rank, collections.deque(maxlen=cfg.patience))
                 seen.append(_Seen(slow, own, others))
 
@@ -128,9 +130,10 @@ class StragglerDetector:
                 if seen is None or len(seen) < cfg.patience:
                     continue
                 slow = sum(s.slow for s in seen)
-                if slow >= need:
-                    others = sum(s.others for s in seen)
-                    ratio = sum(s.own for s in seen) / others if others > 0 else math.inf
+                own, others = sum(s.own for s in seen), sum(s.others for s in seen)
+                ratio = own / others if others > 0 else math.inf
+                gap = (own - others) / cfg.patience
+                if slow >= need and ratio > cfg.factor and gap > cfg.min_gap_s:
                     stragglers.append(Straggler(rank, ratio, slow, cfg.patience, self._last_step))
             stragglers.sort(key=lambda s: -s.ratio)
             out.extend(stragglers[: len(group) - 1])
