@@ -995,7 +995,7 @@ def main(argv: list[str] | None = None) -> int:
         "step time before, during and after a worker slowed 3x from outside, with straggler "
         "replacement on and off",
         stragglers.__doc__,
-        "--steps 120 --settle 20",
+        "--steps 200 --settle 5",
     )
     stragglers.add_arguments(sg)
     args = p.parse_args(argv)

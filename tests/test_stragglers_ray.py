@@ -80,16 +80,18 @@ def _median_step(metrics: list[dict], first: int, last: int) -> float:  # type: 
 @pytest.mark.slow
 def test_after_the_replacement_the_step_is_back_within_1_2x() -> None:
     """Back-to-back: the job never slowed, then the same job with (1,0) throttled 3x from
-    step 20; after the replacement (and 15 steps for the new spare to start beside it)
-    its median step is within 1.2x of the unslowed job's over the same steps."""
-    steps = 120
+    step 20; after the replacement (and 10 s for the spare it took to be started again
+    beside it: a new process importing torch, ~5 s of CPU here) its median step is within
+    1.2x of the unslowed job's over the same steps."""
+    steps = 350
     plain = Trainer(SPEC, topology=TOP, policy=POLICY).fit(steps)
     result, throttle, onset, _ = throttled_fit(
         SPEC, TOP, POLICY, steps, worker=SLOWED, at_step=ONSET, factor=3.0
     )
     _check_replaced(result, throttle, onset, POLICY)
     (event,) = result.events
-    after = (event.step + 15, steps)
+    settled = min(m["step"] for m in result.metrics if m["time"] >= event.time + 10.0)
+    after = (settled, steps)
     before = _median_step(plain.metrics, *after)
     again = _median_step(result.metrics, *after)
     during = _median_step(result.metrics, onset, event.step)
