@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 from parallelism import Topology
@@ -160,3 +161,17 @@ def run(args: argparse.Namespace) -> None:
         )
     offs = sum(len(r.events) for r in results["stragglers off"])
     print(f"stragglers off: {offs} recoveries (a slow worker is invisible to it)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python scripts/stragglers.py`` is ``bench stragglers``."""
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_arguments(p)
+    run(p.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
