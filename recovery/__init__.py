@@ -27,8 +27,24 @@ from parallelism.spec import TrainSpec
 from recovery.callbacks import Callback, TensorBoardLogger
 from recovery.errors import RecoveryError, RedundancyExhausted
 from recovery.events import RecoveryEvent
-from recovery.faults import BitFlip, Corrupt, FailureSchedule, Hang, Kill, KillNode, KillPoint
-from recovery.policy import MirrorPolicy, RecoveryPolicy, RestartBaseline, SnapshotPolicy, Timeouts
+from recovery.faults import (
+    BitFlip,
+    Corrupt,
+    FailureSchedule,
+    Hang,
+    Kill,
+    KillNode,
+    KillPoint,
+    Slow,
+)
+from recovery.policy import (
+    MirrorPolicy,
+    RecoveryPolicy,
+    RestartBaseline,
+    SnapshotPolicy,
+    StragglerPolicy,
+    Timeouts,
+)
 from recovery.strategies.checkfree import CheckFreeConfig
 from recovery.trainer import FitResult, Trainer
 
@@ -49,7 +65,9 @@ __all__ = [
     "RecoveryPolicy",
     "RedundancyExhausted",
     "RestartBaseline",
+    "Slow",
     "SnapshotPolicy",
+    "StragglerPolicy",
     "TensorBoardLogger",
     "Timeouts",
     "TrainSpec",

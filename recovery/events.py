@@ -54,6 +54,10 @@ class RecoveryEvent:
     ``{"worker": (stage, replica), "tensors": [names whose digest differs], "majority":
     True}``; with ``"majority": False``, every worker of a stage group that disagreed
     without a majority (two replicas, or a tie), and the tensors they disagree on."""
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
+    """Cause ``straggler``: per worker replaced for being slow, ``{"worker": (stage,
+    replica), "ratio": its compute time over the median of its stage's other replicas',
+    over the detection window}`` (see docs/stragglers.md)."""
     transfers_corrupted: list[dict[str, Any]] = field(default_factory=list)
     """State that arrived corrupted during this recovery and was never used (see [Note:
     checked transfers] in recovery/transport/process_group.py): ``{"target": (stage,

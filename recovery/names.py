@@ -114,6 +114,9 @@ class FailureCause(StrEnum):
     """A call broke on the network with every worker alive: the step is retried."""
     GROW = "grow"
     """Nothing failed: spares are ready for the workers a shrink left out."""
+    STRAGGLER = "straggler"
+    """A worker stayed slower than the other replicas of its stage (see [Note: stragglers]
+    in recovery/runtime/stragglers.py): it is replaced as if it had died."""
     DRIVER_RESTARTED = "driver restarted"
     """The driver died and a new one resumed from a durable snapshot."""
 

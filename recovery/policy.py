@@ -48,6 +48,7 @@ __all__ = [
     "RecoveryPolicy",
     "RestartBaseline",
     "SnapshotPolicy",
+    "StragglerPolicy",
     "Timeouts",
 ]
 
@@ -151,6 +152,52 @@ class RestartBaseline:
 
     def __post_init__(self) -> None:
         check_positive_int(_name(RestartBaseline, "checkpoint_every"), self.checkpoint_every)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StragglerPolicy:
+    """Stragglers: a worker persistently slower than the other replicas of its stage is
+    replaced like a dead one (see [Note: stragglers] in recovery/runtime/stragglers.py and
+    docs/stragglers.md). ``RecoveryPolicy(stragglers=True)`` turns it on with these
+    defaults.
+
+    Raises:
+        ValueError: naming the bad field and value.
+    """
+
+    factor: float = 2.0
+    """A worker is a straggler when its compute time (forward and backward passes, waits on
+    peers excluded) over the last ``patience`` steps exceeds this many times that of its
+    stage's other replicas (their median in each step, summed). 2: a 3x straggler is far
+    above it, while the replicas of a healthy stage, which do the same work, stay within
+    a few tens of percent of each other; and a whole machine that slows down slows every
+    replica together, which leaves the ratio near 1."""
+    patience: int = 20
+    """The window, in steps. 20 steps is a fraction of a second to a few seconds of
+    training: long enough that a hiccup (a page-cache flush, a burst of another process)
+    is a small part of it, short enough that a 3x straggler costs little before it goes."""
+    quorum: float = 0.5
+    """And the worker was slow (its compute above ``factor`` times the others' median in
+    that step) in at least this fraction of the window's steps: a few very slow steps --
+    one 100x step lifts a 20-step sum above 2x -- never decide, nor does a worker that a
+    neighbour slows now and then. Measured on the 2-core machine: beside a CPU hog, a
+    healthy worker of the 4x2 wide MLP came out above 2x over a window while slow in 5-7
+    of its 20 steps; a worker stopped 2/3 of the time was slow in 10-13 of 20. Not every
+    step: a worker stopped and continued in a duty cycle is slow in most steps, not all
+    (some steps' passes fall between two stops)."""
+    min_gap_s: float = 0.001
+    """And slower by at least this many seconds a step on average: a ratio of two tiny
+    times (a stage of 100 us) is noise, not a straggler."""
+
+    def __post_init__(self) -> None:
+        check_number(_name(StragglerPolicy, "factor"), self.factor, minimum=1.0)
+        if self.factor <= 1.0:
+            raise ValueError(
+                f"{_name(StragglerPolicy, 'factor')} must be greater than 1, got {self.factor!r}"
+            )
+        check_positive_int(_name(StragglerPolicy, "patience"), self.patience)
+        check_fraction(_name(StragglerPolicy, "quorum"), self.quorum, open_low=True)
+        check_number(_name(StragglerPolicy, "min_gap_s"), self.min_gap_s, minimum=0.0)
 
 
 Guarding = Literal["hang", "save", "control"]
@@ -306,6 +353,7 @@ _PARTS: dict[str, type] = {
     "mirrors": MirrorPolicy,
     "baseline": RestartBaseline,
     "timeouts": Timeouts,
+    "stragglers": StragglerPolicy,
 }
 _PART_OF = {cls: name for name, cls in _PARTS.items()}
 
@@ -411,6 +459,11 @@ class RecoveryPolicy:
     """The restart baseline's checkpoints."""
     timeouts: Timeouts = field(default_factory=Timeouts)
     """Every wait of the runtime."""
+    stragglers: StragglerPolicy | None = None
+    """Replace a worker persistently slower than its stage's other replicas, as if it had
+    died (`StragglerPolicy`; ``True``: its defaults). None or False: off -- a slow worker
+    slows every step of the job. Needs two or more replicas (a stage alone has nothing to
+    be compared with: none of its workers is ever found slow)."""
 
     # A hand-written constructor, only to refuse the old flat names with their home: the
     # generated one would reject them as unexpected, without saying where they went.
@@ -460,8 +513,13 @@ class RecoveryPolicy:
         check_int("max_recoveries", self.max_recoveries, minimum=0, optional=True)
         check_int("comm_retries", self.comm_retries, minimum=0)
         check_int("fingerprint_every", self.fingerprint_every, minimum=0, optional=True)
+        if self.stragglers is True:
+            object.__setattr__(self, "stragglers", StragglerPolicy())
+        elif self.stragglers is False:
+            object.__setattr__(self, "stragglers", None)
         for name, cls in {"checkfree": CheckFreeConfig, **_PARTS}.items():
-            object.__setattr__(self, name, _part(name, cls, getattr(self, name)))
+            if getattr(self, name) is not None or name != "stragglers":
+                object.__setattr__(self, name, _part(name, cls, getattr(self, name)))
 
     def allows(self, strategy: str) -> bool:
         """Whether the planner may use ``strategy``."""

@@ -7,6 +7,7 @@
     checkfree bench fingerprint    # silent-corruption fingerprints at K = 1, 10, 50, 100 vs off
     checkfree bench peers          # 1x2 data-parallel job beside torchrun + DDP and torchft
     checkfree bench vote --old /work/base  # the commit vote: old full mesh vs tree, 8-64 workers
+    checkfree bench stragglers     # step time before/during/after a worker slowed from outside
 
 Every figure is measured by this run on this machine; nothing is copied from elsewhere.
 ``checkfree bench BENCHMARK --help`` describes one benchmark and its flags.
@@ -55,6 +56,7 @@ def sibling(name: str) -> ModuleType:
 
 peers = sibling("peers")
 vote_scale = sibling("vote_scale")
+stragglers = sibling("stragglers")
 
 
 def machine() -> str:
@@ -988,6 +990,14 @@ def main(argv: list[str] | None = None) -> int:
         "--old ../old-checkout --sizes 8,16",
     )
     vote_scale.add_arguments(vo)
+    sg = add(
+        "stragglers",
+        "step time before, during and after a worker slowed 3x from outside, with straggler "
+        "replacement on and off",
+        stragglers.__doc__,
+        "--steps 200 --settle 5",
+    )
+    stragglers.add_arguments(sg)
     args = p.parse_args(argv)
     start = time.perf_counter()
     if args.command == "peers":
@@ -1004,6 +1014,7 @@ def main(argv: list[str] | None = None) -> int:
         "zero": zero,
         "fingerprint": fingerprint_cost,
         "vote": vote_scale.run,
+        "stragglers": stragglers.run,
     }
     commands[args.command](args)
     print(f"\n(bench took {time.perf_counter() - start:.0f} s)")

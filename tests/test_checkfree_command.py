@@ -20,9 +20,9 @@ from simulations.cli.commands import COMMANDS, Command, main
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py"))
-PARTS_OF_BENCH = {"peers.py", "vote_scale.py"}
-"""Scripts that are pieces of ``scripts/bench.py`` (``bench peers``, ``bench vote``), not
-commands of their own."""
+PARTS_OF_BENCH = {"peers.py", "vote_scale.py", "stragglers.py"}
+"""Scripts that are pieces of ``scripts/bench.py`` (``bench peers``, ``bench vote``,
+``bench stragglers``), not commands of their own."""
 
 KEY_FLAGS = {
     "train": ["--stages", "--replicas", "--failures", "--steps", "--out"],

@@ -5,6 +5,7 @@ wall-clock times, and the oracle at the end.
     checkfree chaos --kills 100 --burst-prob 0.3  # the soak (see docs/benchmarks.md)
     checkfree chaos --kills 100 --hot-spares 0 --durable-every 0 --model bn-cnn
     checkfree chaos --seconds 600 --elastic --nodes 3   # nodes removed and added back too
+    checkfree chaos --throttle 3                  # a worker stopped 2/3 of the time, once
 
 The job is the public API's: `Trainer(spec, topology=..., policy=...).fit(steps)` of a small
 MLP regression (one Linear+Tanh per stage, AdamW), or with ``--model bn-cnn`` a CNN with
@@ -28,6 +29,15 @@ while a replica of every stage lived (a bug); ``--keep-a-replica`` never kills t
 one. It prints a line per kill and per recovery, then the totals, and exits 1 if a job
 died while a replica of every stage lived, or any oracle failed, else 0. In a checkout,
 ``python scripts/chaos.py`` is the same program.
+
+Throttle mode (``--throttle FACTOR``): no kills. One job of ``--steps`` steps, with
+straggler replacement on (`RecoveryPolicy(stragglers=...)` at ``--straggler-factor``), in
+which this process picks
+the worker ``--throttle-worker`` once ``--throttle-at`` steps are committed and
+duty-cycles its process with SIGSTOP/SIGCONT (`recovery.faults.Throttle`: stopped
+``1 - 1/FACTOR`` of every ``--throttle-period``) until it exits. It prints the recovery
+(cause ``straggler``) and the oracle, and exits 1 unless the worker was replaced as a
+straggler and the job ended bit-identical to the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -47,11 +57,11 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from parallelism import Topology
-from recovery import FitResult, RecoveryPolicy, SnapshotPolicy, Trainer
+from recovery import Callback, FitResult, RecoveryPolicy, SnapshotPolicy, Trainer, TrainSpec
 from recovery.cli.help import HelpFormatter
 from recovery.cli.workloads import MODELS, spec
-from recovery.faults import ChaosMonkey, KillRecord, kill_schedule
-from recovery.names import Strategy
+from recovery.faults import ChaosMonkey, KillRecord, Throttle, kill_schedule
+from recovery.names import FailureCause, Strategy
 from recovery.reference import differences, relative_difference
 
 LOSS_RTOL = 1e-6
@@ -117,9 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         choices=MODELS,
-        default="mlp",
-        help="the job's model: an MLP regression, or a CNN with BatchNorm and dropout on "
-        "augmented images (buffers: the oracle checks every running statistic too)",
+        default=None,
+        help="the job's model: an MLP regression (default), a CNN with BatchNorm and dropout "
+        "on augmented images (buffers: the oracle checks every running statistic too), or a "
+        "wider MLP (default with --throttle: a straggler shows in compute time only where "
+        "there is compute to slow)",
     )
     p.add_argument(
         "--keep-a-replica",
@@ -140,6 +152,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--node-downtime", type=float, default=5.0, help="seconds until a node is added back"
+    )
+    p.add_argument(
+        "--throttle",
+        type=float,
+        default=0.0,
+        metavar="FACTOR",
+        help="throttle mode: no kills; one worker slowed FACTOR times from outside by "
+        "SIGSTOP/SIGCONT, with straggler replacement on (see above); 0: off",
+    )
+    p.add_argument(
+        "--throttle-worker",
+        default="1,0",
+        metavar="STAGE,REPLICA",
+        help="the worker throttle mode slows",
+    )
+    p.add_argument(
+        "--throttle-at", type=int, default=30, help="throttle once this many steps are committed"
+    )
+    p.add_argument(
+        "--straggler-factor",
+        type=float,
+        default=1.5,
+        help="throttle mode: StragglerPolicy(factor=...) of the job; below the default 2, "
+        "since a 3x duty cycle measures only ~2x in compute where workers share cores "
+        "(see docs/stragglers.md)",
+    )
+    p.add_argument(
+        "--throttle-period",
+        type=float,
+        default=0.005,
+        help="seconds of one stop plus one run of the duty cycle (short: a stop must land "
+        "inside a forward or backward pass to show in its compute time, see "
+        "recovery/faults/throttle.py)",
     )
     return p
 
@@ -171,6 +216,24 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--stages, --replicas and --steps must be >= 1, --hot-spares >= 0")
     if args.nodes == 1 or args.nodes < 0:
         p.error(f"--nodes must be 0 (one local node) or >= 2, got {args.nodes}")
+    if args.model is None:
+        args.model = "wide-mlp" if args.throttle else "mlp"
+    if args.throttle:
+        try:
+            stage, replica = (int(x) for x in args.throttle_worker.split(","))
+        except ValueError:
+            p.error(f"--throttle-worker must be STAGE,REPLICA, got {args.throttle_worker!r}")
+        args.throttle_worker = (stage, replica)
+        if not (0 <= stage < args.stages and 0 <= replica < args.replicas):
+            p.error(
+                f"--throttle-worker {args.throttle_worker} is outside {args.stages}x{args.replicas}"
+            )
+        if args.throttle <= 1.0 or args.throttle_period <= 0 or args.replicas < 2:
+            p.error("--throttle needs FACTOR > 1, --throttle-period > 0 and --replicas >= 2")
+        if args.straggler_factor <= 1.0:
+            p.error(f"--straggler-factor must be > 1, got {args.straggler_factor}")
+        if not 0 <= args.throttle_at < args.steps:
+            p.error(f"--throttle-at must be in [0, --steps), got {args.throttle_at}")
     return args
 
 
@@ -310,12 +373,118 @@ def _exact(args: argparse.Namespace, result: FitResult) -> bool:
     return not shrank or args.replicas <= 2
 
 
+class _StepClock(Callback):
+    """When each step was committed (``time.time()``), in order."""
+
+    def __init__(self) -> None:
+        self.walls: list[float] = []
+
+    def on_step(self, record: Any) -> None:
+        self.walls.append(time.time())
+
+
+def throttled_fit(
+    spec: TrainSpec,
+    top: Topology,
+    policy: RecoveryPolicy,
+    steps: int,
+    *,
+    worker: tuple[int, int],
+    at_step: int,
+    factor: float,
+    period_s: float = 0.005,
+) -> tuple[FitResult, Throttle, int, list[float]]:
+    """Train ``steps`` steps with ``worker``'s process throttled from outside (`Throttle`)
+    once ``at_step`` steps are committed, until it exits (the job replaced it; waited for
+    up to a minute) or the job ends. Returns the result, the throttle, the steps committed when it began (its onset)
+    and each step's commit time (``time.time()``). Ray must be connected."""
+    clock = _StepClock()
+    trainer = Trainer(spec, topology=top, policy=policy, callbacks=[clock])
+
+    def pid() -> int | None:
+        info = trainer.live_workers().get(worker)
+        return info.pid if info is not None else None
+
+    throttle = Throttle(
+        pid, factor=factor, period_s=period_s, when=lambda: len(clock.walls) >= at_step
+    ).start()
+    try:
+        result = trainer.fit(steps)
+        if any(tuple(worker) in map(tuple, e.lost) for e in result.events):
+            throttle.wait(60)  # killed: a dying Ray worker can take seconds to exit
+    finally:
+        throttle.stop()  # (a worker the job kept is parked for reuse: never left throttled)
+    began = throttle.started_at
+    onset = steps if began is None else sum(t < began for t in clock.walls)
+    return result, throttle, onset, clock.walls
+
+
+def throttle_mode(args: argparse.Namespace) -> int:
+    """``--throttle``: one job, one worker throttled from outside; see the module docstring."""
+    top = Topology(args.stages, args.replicas)
+    worker = args.throttle_worker
+    policy = RecoveryPolicy(
+        hot_spares=args.hot_spares,
+        elastic=args.elastic,
+        stragglers={"factor": args.straggler_factor},
+    )
+    say(
+        f"chaos throttle: {top} (stages x replicas), worker {worker} slowed "
+        f"{args.throttle:g}x from step {args.throttle_at} (SIGSTOP/SIGCONT, "
+        f"{args.throttle_period * 1000:g} ms period), {args.steps} steps, "
+        f"hot_spares={args.hot_spares}"
+    )
+    with _local(_connect()):
+        oracle = Trainer(spec(args.seed, args.model), topology=top).fit(args.steps)
+        result, throttle, onset, _ = throttled_fit(
+            spec(args.seed, args.model),
+            top,
+            policy,
+            args.steps,
+            worker=worker,
+            at_step=args.throttle_at,
+            factor=args.throttle,
+            period_s=args.throttle_period,
+        )
+    say(
+        f"throttled pid {throttle.pid} from step {onset}: {throttle.cycles} cycles, "
+        + ("until it exited" if throttle.exited else "until the job ended")
+    )
+    for event in result.events:
+        ratios = ", ".join(f"{tuple(s['worker'])} {s['ratio']:.2f}x" for s in event.stragglers)
+        say(
+            f"recovered step {event.step}: {event.cause} {event.lost} -> {event.strategy} "
+            f"in {event.seconds:.2f} s" + (f" (compute ratio {ratios})" if ratios else "")
+        )
+    replaced = any(
+        e.cause == FailureCause.STRAGGLER and tuple(worker) in map(tuple, e.lost)
+        for e in result.events
+    )
+    diffs = differences(result.losses, oracle.losses, where="losses")
+    diffs += differences(result.states, oracle.states, where="states")
+    say(f"straggler replaced: {'yes' if replaced else 'NO'}")
+    say(
+        "oracle: bit-identical to the uninterrupted run"
+        if not diffs
+        else f"oracle: {len(diffs)} difference(s): {'; '.join(diffs[:5])}"
+    )
+    return 0 if replaced and not diffs else 1
+
+
+def _connect() -> Any:
+    from recovery.groups.ray_env import connect
+
+    return connect
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     # Token auth is Ray's default for a new local cluster: a stale ~/.ray/auth_token must
     # not decide whether the run starts.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     torch.set_num_threads(1)
+    if args.throttle:
+        return throttle_mode(args)
     from recovery.groups.ray_env import connect, local_cluster
 
     top = Topology(args.stages, args.replicas)

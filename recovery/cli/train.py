@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         "third of the way in, mid-pipeline, and (2,1) two thirds in, during the all-reduce), "
         "or a list like "
         "'kill:step=20,stage=1,replica=0[,at=mid_pipeline];hang:step=30,stage=2,replica=1;"
-        "killnode:step=40,node=0;poisson:rate=0.002,seed=1'",
+        "slow:step=25,stage=1,replica=1,factor=3;killnode:step=40,node=0;poisson:rate=0.002,seed=1'",
     )
     g.add_argument("--strategy", choices=MODES, default=Mode.AUTO.value,
                    help="auto: rebuild lost workers from live redundancy; restart: the checkpoint/restart baseline")  # fmt: skip
@@ -134,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="when no warm spare is ready or there is no room for a replacement, train on "
         "without the lost workers (same global batch) and grow back once replacements are "
         "ready (see docs/elastic.md)",
+    )
+    g.add_argument(
+        "--stragglers",
+        action="store_true",
+        help="replace a worker persistently slower than the other replicas of its stage, "
+        "like a dead one (RecoveryPolicy(stragglers=True); see docs/stragglers.md)",
     )
     g.add_argument(
         "--hang-timeout",
@@ -290,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         strategy=args.strategy,
         hot_spares=args.hot_spares,
         elastic=args.elastic,
+        stragglers=args.stragglers,
         timeouts=Timeouts(hang=args.hang_timeout),
         fingerprint_every=args.fingerprint_every or None,
         baseline=RestartBaseline(checkpoint_every=args.checkpoint_every),

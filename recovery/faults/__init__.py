@@ -1,9 +1,11 @@
 """Failure injection as library code: one `FailureSchedule` drives tests, the CLI and experiments.
 
 - ``schedule``: what strikes when -- `FailureSchedule` and its faults (`Kill`, `Hang`,
-  `Corrupt`, `BitFlip`, `KillNode`), `KillPoint`, the text form.
+  `Corrupt`, `BitFlip`, `Slow`, `KillNode`), `KillPoint`, the text form.
 - ``injection``: `InjectedFaults`, the schedule armed step by step by the controller.
 - ``monkey``: `ChaosMonkey`, SIGKILLs from outside the library at wall-clock times.
+- ``throttle``: `Throttle`, a process stopped and continued in a duty cycle from outside
+  (a straggler the library knows nothing of).
 - ``exits``: `expect_exit`, the deaths the job causes on purpose (logged in one line).
 
 This package imports nothing from the workers, the groups or the runtime: they import it.
@@ -21,8 +23,10 @@ from recovery.faults.schedule import (
     Kill,
     KillNode,
     KillPoint,
+    Slow,
     WorkerFault,
 )
+from recovery.faults.throttle import Throttle
 
 __all__ = [
     "EXPECTED_EXITS",
@@ -39,6 +43,8 @@ __all__ = [
     "KillPoint",
     "KillRecord",
     "PlannedKill",
+    "Slow",
+    "Throttle",
     "WorkerFault",
     "expect_exit",
     "fault_time",

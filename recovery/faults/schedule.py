@@ -11,6 +11,7 @@ Text form (``scripts/train.py --failures``), faults separated by ``;``::
     hang:step=30,stage=2,replica=1
     nan:step=35,stage=0,replica=0   # a NaN written into the weights (silent data corruption)
     bitflip:step=35,stage=0,replica=2[,seed=0][,in_flight=1]  # one mantissa bit flipped: finite, wrong
+    slow:step=10,stage=1,replica=0[,factor=3]   # from step 10 on, computes 3x slower
     killnode:step=40,node=1
     poisson:rate=0.02[,seed=0]      # per-worker-step probability, drawn once up front
 """
@@ -23,7 +24,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
-from parallelism.checks import check_index
+from parallelism.checks import check_index, check_number
 from parallelism.topology import Topology
 
 
@@ -124,6 +125,25 @@ class BitFlip(_AtWorker):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Slow(_AtWorker):
+    """From ``at`` of step ``step`` on, worker ``(stage, replica)`` computes ``factor`` times
+    slower: after each forward or backward pass it sleeps ``factor - 1`` times the pass's
+    time (inside the pass's measured compute time, outside anything it holds). The worker
+    stays slow until it is replaced: a straggler (see docs/stragglers.md)."""
+
+    factor: float = 3.0
+
+    _word: ClassVar[str] = "slow"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_number("factor", self.factor, minimum=1.0)
+
+    def __str__(self) -> str:
+        return f"{super().__str__()},factor={self.factor:g}"
+
+
+@dataclass(frozen=True, kw_only=True)
 class KillNode:
     """SIGKILL every worker on the job's ``node``-th Ray node (in node-id order) at step ``step``."""
 
@@ -138,8 +158,8 @@ class KillNode:
         return f"killnode:step={self.step},node={self.node}"
 
 
-Fault = Kill | Hang | Corrupt | BitFlip | KillNode
-WorkerFault = Kill | Hang | Corrupt | BitFlip
+Fault = Kill | Hang | Corrupt | BitFlip | Slow | KillNode
+WorkerFault = Kill | Hang | Corrupt | BitFlip | Slow
 """Faults that strike one worker (delivered to it with the step)."""
 
 
@@ -169,9 +189,9 @@ class FailureSchedule:
     def __init__(self, faults: Iterable[Fault] = ()) -> None:
         self.faults: tuple[Fault, ...] = tuple(faults)
         for fault in self.faults:
-            if not isinstance(fault, Kill | Hang | Corrupt | BitFlip | KillNode):
+            if not isinstance(fault, Kill | Hang | Corrupt | BitFlip | Slow | KillNode):
                 raise ValueError(
-                    f"not a fault: {fault!r} (use Kill, Hang, Corrupt, BitFlip or KillNode)"
+                    f"not a fault: {fault!r} (use Kill, Hang, Corrupt, BitFlip, Slow or KillNode)"
                 )
 
     def __iter__(self) -> Iterator[Fault]:
@@ -289,19 +309,39 @@ class FailureSchedule:
                             in_flight=_flag("in_flight", fields.pop("in_flight", "0")),
                         )
                     )
+                elif kind == "slow":
+                    faults.append(
+                        Slow(
+                            step=int(fields.pop("step")),
+                            stage=int(fields.pop("stage")),
+                            replica=int(fields.pop("replica", "0")),
+                            at=_point(fields.pop("at", KillPoint.BEFORE_FORWARD.value)),
+                            factor=float(fields.pop("factor", "3")),
+                        )
+                    )
                 elif kind == "killnode":
                     faults.append(
                         KillNode(step=int(fields.pop("step")), node=int(fields.pop("node")))
                     )
                 else:
                     raise ValueError(
-                        f"unknown fault kind {kind!r} in {part!r}; use kill, hang, nan, bitflip, killnode or poisson"
+                        f"unknown fault kind {kind!r} in {part!r}; use kill, hang, nan, bitflip, slow, killnode or poisson"
                     )
             except KeyError as missing:
                 raise ValueError(f"{part!r} needs a value for {missing}") from None
             except ValueError as exc:
                 if str(exc).startswith(
-                    ("unknown", "poisson", "step", "stage", "replica", "node", "seed", "in_flight")
+                    (
+                        "unknown",
+                        "poisson",
+                        "step",
+                        "stage",
+                        "replica",
+                        "node",
+                        "seed",
+                        "in_flight",
+                        "factor",
+                    )
                 ):
                     raise
                 raise ValueError(f"malformed value in {part!r}: {exc}") from None

@@ -128,6 +128,7 @@ from recovery.runtime.states import (
     rebuilding_in,
 )
 from recovery.runtime.steps import Failed, StepRunner
+from recovery.runtime.stragglers import straggler_failure
 from recovery.worker import WorkerInfo
 
 __all__ = ["MAX_INTERRUPTIONS", "Controller", "ControllerConfig", "Phase"]
@@ -457,10 +458,16 @@ class Controller:
     def _running(self) -> State:
         runner, members = self.runner, self.members
         assert runner is not None and members is not None
-        missing = members.missing
+        # Stragglers once nothing is in flight: nothing is sent ahead while some are found,
+        # so the next advance settles what is (see [Note: stragglers]).
+        missing, slow = members.missing, runner.stragglers.found if runner.idle else []
         ready = bool(missing) and bool(members.warm_placement(missing))
         decision = at_boundary(
-            runner.step, self.target_steps, missing=bool(missing), spares_ready=ready
+            runner.step,
+            self.target_steps,
+            missing=bool(missing),
+            spares_ready=ready,
+            stragglers=bool(slow),
         )
         if decision is AtBoundary.STEP:
             result = runner.advance(self.target_steps)
@@ -476,6 +483,14 @@ class Controller:
         if decision is AtBoundary.GROW:
             log.info("growing back: replacements are ready")  # (some of them, maybe)
             return Recovering(self._grow_failure())
+        if decision is AtBoundary.STRAGGLER:  # replaced as if dead (see [Note: stragglers])
+            for s in slow:
+                log.warning("worker %s: %s", self.topology.worker(s.rank), s.describe())
+            members.note_stragglers(s.rank for s in slow)
+            failure = straggler_failure(
+                self.topology, slow, step=runner.step, generation=self.generation
+            )
+            return Recovering(failure)
         self._publish(runner.close_event())  # a recovery after the last commit
         return Finished()
 

@@ -46,17 +46,25 @@ class AtBoundary(enum.Enum):
     """Run the next steps."""
     GROW = "grow"
     """Bring back missing workers whose spares are ready (see [Note: elastic shrink])."""
+    STRAGGLER = "straggler"
+    """Replace the workers found slower than their stage's other replicas (see [Note:
+    stragglers] in recovery/runtime/stragglers.py)."""
     FINISH = "finish"
     """Every step is committed."""
 
 
-def at_boundary(step: int, target: int, *, missing: bool, spares_ready: bool) -> AtBoundary:
+def at_boundary(
+    step: int, target: int, *, missing: bool, spares_ready: bool, stragglers: bool = False
+) -> AtBoundary:
     """``step``: the next step to run; ``missing``: a shrink left workers out;
-    ``spares_ready``: a spare is ready for one of them."""
+    ``spares_ready``: a spare is ready for one of them; ``stragglers``: some workers were
+    found slow (a job at its last step finishes instead: replacing them gains nothing)."""
     if step >= target:
         return AtBoundary.FINISH
     if missing and spares_ready:
         return AtBoundary.GROW
+    if stragglers:
+        return AtBoundary.STRAGGLER
     return AtBoundary.STEP
 
 

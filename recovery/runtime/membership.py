@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from parallelism.comm import Rendezvous, host_store
@@ -29,9 +29,15 @@ from recovery.runtime.ledger import RedundancyLedger
 from recovery.snapshots import buddies
 from recovery.worker import StageWorker, StepReport
 
-__all__ = ["Membership"]
+__all__ = ["SLOW_NODE_STRAGGLERS", "Membership"]
 
 log = logging.getLogger("checkfree")
+
+SLOW_NODE_STRAGGLERS = 2
+"""A node on which this many stragglers were found takes no more replacements or spares
+while another node can (one straggler may be the worker's own bad luck -- a GC pause, a
+noisy process -- two on one node point at the node; see [Note: stragglers] in
+recovery/runtime/stragglers.py)."""
 
 
 class Membership:
@@ -71,6 +77,8 @@ class Membership:
         self.generation = -1
         self.job_nodes = group.nodes()
         self.lost_nodes: set[str] = set()
+        self.straggler_nodes: Counter[str] = Counter()
+        """Per node, the stragglers found on it (`note_stragglers`)."""
         self.assignment: dict[int, str] = place(topology, self.job_nodes)
         """Rank -> the node its worker runs on (as started)."""
         self.hosts: dict[int, str] = {}
@@ -141,8 +149,28 @@ class Membership:
         return set(built.results) - failed
 
     def live_nodes(self) -> list[str]:
-        """The job's nodes not lost (all of them if every one was lost: Ray may have more)."""
-        return [n for n in self.job_nodes if n not in self.lost_nodes] or self.job_nodes
+        """The job's nodes not lost nor avoided for stragglers (those not lost if every one
+        is avoided; all of them if every one was lost: Ray may have more)."""
+        return _usable(self.job_nodes, self.lost_nodes, self.slow_nodes())
+
+    def slow_nodes(self) -> set[str]:
+        """Nodes avoided for placement: `SLOW_NODE_STRAGGLERS` stragglers were found there."""
+        return {n for n, count in self.straggler_nodes.items() if count >= SLOW_NODE_STRAGGLERS}
+
+    def note_stragglers(self, ranks: Iterable[int]) -> None:
+        """Book stragglers found among ``ranks``' workers against their nodes."""
+        for rank in ranks:
+            node = self.assignment.get(rank)
+            if node is None:
+                continue
+            self.straggler_nodes[node] += 1
+            if self.straggler_nodes[node] == SLOW_NODE_STRAGGLERS:
+                log.warning(
+                    "node %s: %d stragglers found there; no replacement or spare goes there "
+                    "while another node can take it",
+                    node,
+                    SLOW_NODE_STRAGGLERS,
+                )
 
     def lose_node(self, node: str) -> list[int]:
         """Book ``node`` as lost; returns the ranks that ran on it."""
@@ -185,7 +213,7 @@ class Membership:
         """A node for each rank to rebuild, keeping replicas of a stage apart and using the
         hot spares (``spare_nodes``; default every spare, ready or not) where that rule
         allows (a spare is only taken on its own node)."""
-        nodes = [n for n in self.group.nodes() if n not in self.lost_nodes] or self.group.nodes()
+        nodes = _usable(self.group.nodes(), self.lost_nodes, self.slow_nodes())
         if spare_nodes is None:
             spare_nodes = self.group.spare_nodes()
         spares = Counter(n for n in spare_nodes if n in nodes)
@@ -332,3 +360,10 @@ class Membership:
     def close(self) -> None:
         """Drop the store (workers still connected to it see it go)."""
         self.store = None
+
+
+def _usable(nodes: Sequence[str], lost: Collection[str], slow: Collection[str]) -> list[str]:
+    """``nodes`` less the lost and the slow ones; less the lost only if that leaves none;
+    all of them if every one is lost."""
+    alive = [n for n in nodes if n not in lost]
+    return [n for n in alive if n not in slow] or alive or list(nodes)

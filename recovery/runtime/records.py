@@ -110,6 +110,9 @@ class Failure:
     """Per rank, how many of its workers died during the recovery."""
     quiet: int = 0
     """Interruptions in a row in which no worker died (calls broke with everyone alive)."""
+    slow: dict[int, float] = field(default_factory=dict)
+    """Cause ``straggler``: each straggler's compute time over its stage's other replicas'
+    median (recovery/runtime/stragglers.py)."""
 
     def interrupt(
         self,
@@ -223,6 +226,10 @@ def recovery_event(
                 "majority": r not in failure.corruption.undecided,
             }
             for r in sorted(failure.corruption.suspects + failure.corruption.undecided)
+        ],
+        stragglers=[
+            {"worker": coords(rank), "ratio": round(ratio, 3)}
+            for rank, ratio in sorted(failure.slow.items())
         ],
         transfers_corrupted=[
             {

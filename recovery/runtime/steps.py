@@ -43,8 +43,9 @@ goes out with ``run_step(k)``: a worker that did not commit ``k`` skips it.
 Only when nothing else needs the update applied first: no snapshot or checkpoint
 or evaluation due, not the last step, no recovery event waiting for its first
 commit (its time runs to the commit applied), no spares to restock, not a shrunk
-job (it may grow at the boundary), and no injected fault due at ``nxt`` (it is
-armed when sent).
+job (it may grow at the boundary), no injected fault due at ``nxt`` (it is
+armed when sent), and no straggler found (it is replaced at the boundary: [Note:
+stragglers] in recovery/runtime/stragglers.py).
 
 [Note: restocking spares after the first step]
 A spare starting is a Ray worker process importing torch, then building a stage and
@@ -84,6 +85,7 @@ from recovery.runtime.detection import (
 from recovery.runtime.membership import Membership
 from recovery.runtime.persistence import Persistence
 from recovery.runtime.records import Failure, PendingEvent, StepRecord, step_record
+from recovery.runtime.stragglers import StragglerWatch
 from recovery.worker import StageWorker, StepReport
 
 __all__ = ["BATCH_S", "BATCH_STEPS", "Committed", "Failed", "StepRunner"]
@@ -190,6 +192,7 @@ class StepRunner:
         """The last `advance` applied a commit with nothing sent after it."""
         self._pending_commit: _PendingCommit | None = None
         self._ahead: _Ahead | None = None
+        self.stragglers = StragglerWatch(topology, policy.stragglers)  # [Note: stragglers]
 
     # -- what the controller calls -------------------------------------------------------
 
@@ -224,6 +227,12 @@ class StepRunner:
         assert self._pending_commit is None and self._ahead is None
         self.step, self.verified = step, verified
         self._event, self._restock = event, self._restock or restock
+        self.stragglers.reset()  # everyone starts afresh (see [Note: stragglers])
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight: no step sent ahead, no commit not yet waited for."""
+        return self._pending_commit is None and self._ahead is None
 
     def close_event(self) -> RecoveryEvent | None:
         """Close the recovery event still waiting for its first commit, as one the job
@@ -406,6 +415,7 @@ class StepRunner:
     ) -> StepRecord:
         """The record of ``step``, timed from ``start`` (``perf_counter``) to now, or as
         given (the steps of a batch, timed by when the workers applied them)."""
+        self.stragglers.note(step, reports, shrunk=bool(self.members.missing))
         now = time.perf_counter()
         return step_record(
             self.topology,
@@ -497,7 +507,7 @@ class StepRunner:
             and not self.members.missing
             and not self.persistence.due(nxt)
             and not (self.eval_every and nxt % self.eval_every == 0)
-            and not self.faults.due(nxt)
+            and not (self.faults.due(nxt) or self.stragglers.found)
         )
 
     def _wait_commit(self) -> dict[int, WorkerLost]:

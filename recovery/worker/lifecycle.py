@@ -9,9 +9,11 @@ snapshots, state transfers -- read and write the state it owns.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -84,6 +86,9 @@ class WorkerLifecycle:
         self.digests_ahead: DigestsAhead | None = None
         """The digests of this worker's state, taken after a failure in case it is asked
         for it (see [Note: digests taken ahead] in recovery/transport/process_group.py)."""
+        self.slowdown = 1.0
+        """An injected `recovery.faults.Slow`: each forward and backward pass takes this
+        many times its own time (1: not slowed). Set up afresh, a worker is not slowed."""
 
     # -- state ---------------------------------------------------------------------------
 
@@ -131,6 +136,7 @@ class WorkerLifecycle:
             ValueError: for a device this worker cannot compute on (no GPU visible).
         """
         start = time.perf_counter()
+        self.slowdown = 1.0
         self.topology = topology
         self.rank = rank
         coords = topology.worker(rank)
@@ -166,10 +172,22 @@ class WorkerLifecycle:
             clip_grad_norm=spec.clip_grad_norm,
             shared=self.shared_names,
             shared_is_home=self.stage in (0, topology.stages - 1),
-            compute=self.rng.compute,
+            compute=self._compute,
         )
         self._start_fresh()
         return time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def _compute(self) -> Iterator[None]:
+        """A forward or backward pass (its random streams in force); under an injected
+        `Slow`, followed by a sleep of ``slowdown - 1`` times its time -- inside the time the
+        engine measures as compute, after the streams (a thread worker's lock) are given
+        back, so that it slows this worker only."""
+        start = time.perf_counter()
+        with self.rng.compute():
+            yield
+        if self.slowdown > 1.0:
+            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - start))
 
     def _start_fresh(self) -> None:
         """A newly set-up worker's progress: step 0, never rebuilt, no snapshots held."""

@@ -63,7 +63,7 @@ from parallelism.buffers import evaluating
 from parallelism.engine import Share, StepStats
 from parallelism.schedule import Schedule
 from parallelism.spec import BatchFn, apply_lr_schedule
-from recovery.faults import BitFlip, Corrupt, Fault, Kill, KillPoint, WorkerFault
+from recovery.faults import BitFlip, Corrupt, Fault, Kill, KillPoint, Slow, WorkerFault
 from recovery.integrity.fingerprint import fingerprint, flip_bit
 from recovery.policy import Timeouts
 from recovery.transport import DigestsAhead
@@ -347,6 +347,9 @@ class StageWorker(Snapshotting, StateTransfer):
         """Called at named points inside a step: fires the injected faults armed for it."""
         for fault in self._faults:
             if fault.at.value != point:
+                continue
+            if isinstance(fault, Slow):  # from now on, until this worker is replaced
+                self.slowdown = fault.factor
                 continue
             self._record_fault_time()
             if isinstance(fault, Corrupt):

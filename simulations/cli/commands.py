@@ -89,7 +89,7 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(
         name="bench",
-        summary="benchmarks: throughput, recovery, snapshots, zero, peers, vote, ...",
+        summary="benchmarks: throughput, recovery, snapshots, zero, peers, vote, stragglers, ...",
         example="checkfree bench recovery --presets demo",
     ),
     Command(
