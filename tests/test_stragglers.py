@@ -6,8 +6,11 @@ SIGSTOP/SIGCONT -- are in tests/test_stragglers_ray.py."""
 from __future__ import annotations
 
 import random
+import statistics
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from parallelism import Topology
 from recovery import FailureSchedule, RecoveryPolicy, Slow, StragglerPolicy
@@ -16,7 +19,7 @@ from recovery.reference import differences
 from recovery.runtime import Phase
 from recovery.runtime.decisions import AtBoundary, at_boundary
 from recovery.runtime.membership import SLOW_NODE_STRAGGLERS
-from recovery.runtime.stragglers import StragglerDetector
+from recovery.runtime.stragglers import StragglerDetector, medians_of_others
 from tests.jobs import drive, make
 from tests.workloads import mlp_spec
 
@@ -284,3 +287,11 @@ def test_a_node_that_keeps_producing_stragglers_is_avoided() -> None:
         assert node not in placed.values(), placed
     finally:
         controller.shutdown()
+
+
+@given(
+    st.lists(st.sampled_from([0.0, 0.001, 0.5, 1.0, 1.0, 2.5, 1e-9, 3.0]), min_size=2, max_size=9)
+)
+def test_the_median_of_the_others_is_statistics_median_of_the_rest(values: list[float]) -> None:
+    want = [statistics.median(values[:i] + values[i + 1 :]) for i in range(len(values))]
+    assert medians_of_others(values) == want

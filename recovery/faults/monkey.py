@@ -29,6 +29,7 @@ __all__ = [
     "PlannedKill",
     "kill_process",
     "kill_schedule",
+    "process_gone",
 ]
 
 Coords = tuple[int, int]
@@ -82,17 +83,27 @@ def kill_schedule(
             yield PlannedKill(at_s=t, pick=rng.random(), burst=True)
 
 
-def kill_process(pid: int) -> bool:
-    """SIGKILL ``pid``; True if it landed, False if the process was already gone (no such
-    process, or a zombie that has died and not been reaped yet)."""
+def process_gone(pid: int) -> bool:
+    """Whether ``pid`` has exited: no such process, or a zombie its parent has not reaped
+    yet (a killed Ray worker can stay one for a while; signals to it still succeed)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                return False
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
     except (FileNotFoundError, IndexError):
+        return True
+    except OSError:  # no /proc (not Linux): ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
         return False
-    except OSError:  # no /proc (not Linux): let os.kill say
-        pass
+
+
+def kill_process(pid: int) -> bool:
+    """SIGKILL ``pid``; True if it landed, False if the process was already gone
+    (`process_gone`)."""
+    if process_gone(pid):
+        return False
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:

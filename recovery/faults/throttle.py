@@ -27,6 +27,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from recovery.faults.monkey import process_gone
+
 __all__ = ["Throttle"]
 
 
@@ -99,7 +101,7 @@ class Throttle:
         self.pid, self.started_at = pid, time.time()
         try:
             while not self._stop.is_set():
-                if _dead(pid):
+                if process_gone(pid):
                     raise ProcessLookupError(pid)
                 os.kill(pid, signal.SIGSTOP)
                 self._stop.wait(self.stop_s)
@@ -112,19 +114,3 @@ class Throttle:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
             self.ended_at = time.time()
-
-
-def _dead(pid: int) -> bool:
-    """Whether ``pid`` has exited: gone, or a zombie its parent has not reaped yet (a killed
-    Ray worker can stay one for a while; signals to it still succeed)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-    except OSError:  # no /proc (not Linux): ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        return False

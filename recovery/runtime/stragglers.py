@@ -42,9 +42,8 @@ from __future__ import annotations
 
 import collections
 import math
-import statistics
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from parallelism.topology import Topology
@@ -53,7 +52,13 @@ from recovery.policy import StragglerPolicy
 from recovery.runtime.records import Failure
 from recovery.worker import StepReport
 
-__all__ = ["Straggler", "StragglerDetector", "StragglerWatch", "straggler_failure"]
+__all__ = [
+    "Straggler",
+    "StragglerDetector",
+    "StragglerWatch",
+    "medians_of_others",
+    "straggler_failure",
+]
 
 
 @dataclass(frozen=True)
@@ -109,9 +114,8 @@ class StragglerDetector:
             group = [r for r in self.topology.stage_group(stage) if r in compute]
             if len(group) < 2:
                 continue
-            for rank in group:
-                own = compute[rank]
-                others = statistics.median(compute[r] for r in group if r != rank)
+            times = [compute[r] for r in group]
+            for rank, own, others in zip(group, times, medians_of_others(times), strict=True):
                 slow = own > cfg.factor * others
                 seen = self._seen.setdefault(rank, collections.deque(maxlen=cfg.patience))
                 seen.append(_Seen(slow, own, others))
@@ -149,13 +153,29 @@ class StragglerDetector:
                 self._seen.pop(rank, None)
 
 
+def medians_of_others(values: Sequence[float]) -> list[float]:
+    """For each value, `statistics.median` of all the others -- from one sort, not one per
+    value (a stage group of hundreds of replicas, every step, on the driver)."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranked = [values[i] for i in order]
+    half, odd = divmod(len(values) - 1, 2)
+    out = [0.0] * len(values)
+    for pos, index in enumerate(order):
+
+        def at(k: int, pos: int = pos) -> float:  # the k-th of the others, in order
+            return ranked[k if k < pos else k + 1]
+
+        out[index] = at(half) if odd else (at(half - 1) + at(half)) / 2
+    return out
+
+
 class StragglerWatch:
     """The step runner's side: every committed step's reports fed to a detector -- or to
     none, when the policy's ``stragglers`` is off or each stage has one replica."""
 
     def __init__(self, topology: Topology, config: StragglerPolicy | None) -> None:
-        on = config is not None and topology.replicas >= 2
-        self.detector = StragglerDetector(topology, config) if on and config else None
+        detector = StragglerDetector(topology, config) if config is not None else None
+        self.detector = detector if detector is not None and detector.judges else None
         self.found: list[Straggler] = []
         """What the detector found after the last step noted."""
 
