@@ -109,13 +109,21 @@ def test_injected_nan_rolls_back_instead_of_poisoning_the_model(uninterrupted: F
 
 
 def _job(run_dir: Path, steps: int, out: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    env.pop("RAY_ADDRESS", None)
+    """tests/resume_job.py in a driver process of its own, connected to the session's Ray as
+    another job (Ray ends a job's actors when its driver dies: the kill takes the workers
+    with it, as it would take a local Ray the driver had started)."""
+    import ray
+
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+    }
     return subprocess.Popen(
         [sys.executable, str(ROOT / "tests" / "resume_job.py"), str(run_dir), str(steps), str(out)],
         env=env,
         cwd=ROOT,
-        start_new_session=True,  # so the kill takes the driver's local Ray with it
+        start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
