@@ -3,5 +3,5 @@
 # draws of the randomized model-based test (the default run has 16 fixed ones).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pytest -m slow "$@"
-CHECKFREE_EXAMPLES=100 python -m pytest tests/test_exact_everywhere.py -k every_job --timeout 3600
+python -m pytest -m slow -n 0 "$@"  # one at a time: some time themselves
+CHECKFREE_EXAMPLES=100 python -m pytest -n 0 tests/test_exact_everywhere.py -k every_job --timeout 3600

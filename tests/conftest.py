@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 # Token auth is Ray's default for a new local cluster; a stale ~/.ray/auth_token must not
 # decide whether the tests pass, so the tests run their clusters without it.
@@ -15,6 +17,7 @@ import torch
 from ray import cloudpickle
 
 import tests.workloads
+from tests.streams import RAY_TESTS_KEY, write_ray_tests
 
 cloudpickle.register_pickle_by_value(tests.workloads)
 torch.set_num_threads(1)
@@ -36,20 +39,58 @@ _TAKE_RAY_DOWN = ("cluster", "full_cluster")
 """Fixtures that shut the session's Ray down (a multi-node `ray.cluster_utils.Cluster` in
 its place, torn down after)."""
 
+_USE_RAY = ("ray_local", *_TAKE_RAY_DOWN)
+"""Fixtures that connect the test process to Ray."""
 
+
+def _uses_ray(item: pytest.Item) -> bool:
+    return item.get_closest_marker("ray") is not None or any(
+        name in _USE_RAY for name in getattr(item, "fixturenames", ())
+    )
+
+
+def _takes_ray_down(item: pytest.Item) -> bool:
+    return item.get_closest_marker("takes_ray_down") is not None or any(
+        name in _TAKE_RAY_DOWN for name in getattr(item, "fixturenames", ())
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # sees every item, before -m/-k deselect some
 def pytest_collection_modifyitems(session, config, items):  # type: ignore[no-untyped-def]
-    """Run the tests that take the session's local Ray down (a cluster of their own, `ray
-    stop`) last, in their order: every Ray test after one starts Ray and its workers again
-    (10-20 s on 2 cores), so three of them spread through the run cost a minute."""
-    last = [
-        item
-        for item in items
-        if any(name in _TAKE_RAY_DOWN for name in getattr(item, "fixturenames", ()))
-        or item.get_closest_marker("takes_ray_down") is not None
-    ]
-    if last:
-        chosen = set(map(id, last))
-        items[:] = [item for item in items if id(item) not in chosen] + last
+    """The Ray tests (marked ``ray`` or using a Ray fixture) first, the ones that take the
+    session's local Ray down (a cluster of their own, `ray stop`) last among them: every
+    Ray test after one starts Ray and its workers again (10-20 s on 2 cores). Under xdist
+    they are one stream, in this order, in one process (tests/streams.py)."""
+    ray_tests = [item for item in items if _uses_ray(item)]
+    chosen = set(map(id, ray_tests))
+    ray_tests.sort(key=_takes_ray_down)  # stable: otherwise in collection order
+    items[:] = ray_tests + [item for item in items if id(item) not in chosen]
+    path = getattr(config, "workerinput", {}).get(RAY_TESTS_KEY)
+    if path is not None:
+        write_ray_tests(Path(path), [item.nodeid for item in ray_tests])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):  # type: ignore[no-untyped-def]
+    """xdist's controller, before each worker starts: where to write the Ray tests' ids."""
+    node.workerinput[RAY_TESTS_KEY] = str(_ray_tests_file(node.config))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):  # type: ignore[no-untyped-def]
+    """The Ray tests in one process, the others spread over the rest (tests/streams.py)."""
+    from tests.streams import RayStream
+
+    return RayStream(config, log, _ray_tests_file(config))
+
+
+def _ray_tests_file(config: pytest.Config) -> Path:
+    if _RAY_TESTS not in config.stash:
+        config.stash[_RAY_TESTS] = Path(tempfile.mkdtemp(prefix="checkfree-streams-")) / "ray"
+    return config.stash[_RAY_TESTS]
+
+
+_RAY_TESTS = pytest.StashKey[Path]()
 
 
 def pytest_sessionfinish(session, exitstatus):  # type: ignore[no-untyped-def]
