@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 from ray import cloudpickle
 
 import tests.workloads
-from tests.streams import RAY_TESTS_KEY, write_ray_tests
+from tests.streams import RAY_TESTS_KEY, more_than_one_stream, record_ray_test, write_ray_tests
 
 cloudpickle.register_pickle_by_value(tests.workloads)
 torch.set_num_threads(1)
@@ -93,7 +94,21 @@ def _ray_tests_file(config: pytest.Config) -> Path:
 _RAY_TESTS = pytest.StashKey[Path]()
 
 
+def pytest_runtest_setup(item):  # type: ignore[no-untyped-def]
+    workerinput = getattr(item.config, "workerinput", {})
+    if RAY_TESTS_KEY in workerinput and _uses_ray(item):
+        record_ray_test(Path(workerinput[RAY_TESTS_KEY]), workerinput["workerid"])
+
+
 def pytest_sessionfinish(session, exitstatus):  # type: ignore[no-untyped-def]
+    if _RAY_TESTS in session.config.stash:  # xdist's controller: were they one stream?
+        wrong = more_than_one_stream(session.config.stash[_RAY_TESTS])
+        if wrong is not None:
+            reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+            reporter.ensure_newline()
+            reporter.write_line(f"ERROR: {wrong}", red=True)
+            session.exitstatus = exitstatus = pytest.ExitCode.TESTS_FAILED
+        shutil.rmtree(session.config.stash[_RAY_TESTS].parent, ignore_errors=True)
     _EXIT_STATUS.append(int(exitstatus))
     import ray
 

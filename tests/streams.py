@@ -50,3 +50,22 @@ def write_ray_tests(path: Path, nodeids: list[str]) -> None:
     part = path.with_suffix(f".{os.getpid()}.part")
     part.write_text("\n".join(nodeids) + "\n")
     part.replace(path)
+
+
+def record_ray_test(path: Path, worker: str) -> None:
+    """Note that ``worker`` (``gw0``, ...) ran a Ray test, beside the ids file ``path``."""
+    with path.with_name("ray-workers").open("a") as f:
+        f.write(worker + "\n")
+
+
+def more_than_one_stream(path: Path) -> str | None:
+    """What went wrong if the Ray tests ran in more than one test process, else None: each
+    process would have started a Ray of its own, and one's `ray stop` ended the other's."""
+    workers = path.with_name("ray-workers")
+    seen = sorted(set(workers.read_text().split())) if workers.exists() else []
+    if len(seen) <= 1:
+        return None
+    return (
+        f"the Ray tests ran in {len(seen)} test processes ({', '.join(seen)}), not one: "
+        "tests/streams.py's scheduler was not used or did not group them"
+    )
