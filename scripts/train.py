@@ -8,7 +8,7 @@ Ray puts the uploaded checkout on the path.
 
 import sys
 
-from recovery.cli.train import main
+from recovery.cli.train import cli
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

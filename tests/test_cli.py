@@ -41,6 +41,29 @@ def test_train_script_help_runs_from_the_checkout() -> None:
     assert "--stages" in done.stdout and "--failures" in done.stdout
 
 
+def test_a_refused_setting_is_one_error_line_and_status_2(tmp_path: Path) -> None:
+    """A setting checkfree refuses (here a global batch 2 replicas cannot share) ends the
+    command as a bad flag does: ``checkfree train: error: ...`` and status 2, no traceback,
+    before any worker starts -- from the script and from the ``checkfree`` dispatcher;
+    ``CHECKFREE_TRACEBACK=1`` shows the traceback."""
+    from simulations.cli import commands
+
+    argv = ["--replicas", "2", "--global-batch", "7", "--steps", "2", "--out", str(tmp_path)]
+    done = subprocess.run([sys.executable, "scripts/train.py", *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert (
+        "\ncheckfree train: error: a global batch of 7 samples does not divide among 2 replicas"
+        in done.stderr
+    )
+    assert "Traceback" not in done.stderr
+    loud = subprocess.run([sys.executable, "scripts/train.py", *argv], cwd=ROOT,
+                          env={**os.environ, "CHECKFREE_TRACEBACK": "1"},
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert loud.returncode == 1 and "Traceback" in loud.stderr and "ValueError" in loud.stderr
+    assert commands.main(["train", *argv]) == 2
+
+
 def test_no_failure_is_injected_unless_asked_for() -> None:
     """Re-running a command to resume it must not kill workers on purpose: ``auto`` (the
     demo's two kills) is asked for, not the default."""

@@ -4,11 +4,15 @@ keep their lines), and each option's default shown beside its help.
 A default is appended as ``(default: X)`` unless the help already says what happens without
 the flag (it mentions "default"), or there is nothing to show: a switch (``store_true``),
 a default of None (the help says what is used instead) or an empty list.
+`refusals_as_errors` turns a refused setting into a one-line error and status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from collections.abc import Callable
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -25,3 +29,18 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         if not action.option_strings and action.nargs not in ("?", "*"):
             return text  # a required positional has no default to show
         return f"{text} (default: %(default)s)"
+
+
+def refusals_as_errors(prog: str, main: Callable[[], int]) -> int:
+    """Run ``main()`` as a command line should: a ValueError -- checkfree refusing a setting,
+    before any worker starts -- is printed as ``PROG: error: MESSAGE`` and the status is 2,
+    as argparse does for a bad flag, rather than a traceback above the message.
+    ``CHECKFREE_TRACEBACK=1`` raises it instead, to see where it came from."""
+    try:
+        return main()
+    except ValueError as refusal:
+        if os.environ.get("CHECKFREE_TRACEBACK") == "1":
+            raise
+        print(f"{prog}: error: {refusal}", file=sys.stderr)
+        print("(CHECKFREE_TRACEBACK=1 shows where it was raised)", file=sys.stderr)
+        return 2

@@ -378,3 +378,11 @@ def _failures(text: str, topology: Topology, steps: int, offset: int = 0) -> Fai
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def cli() -> int:
+    """``checkfree-train`` and ``python scripts/train.py``: `main`, with a refused setting
+    printed as one line and status 2 (`recovery.cli.help.refusals_as_errors`)."""
+    from recovery.cli.help import refusals_as_errors
+
+    return refusals_as_errors("checkfree train", main)

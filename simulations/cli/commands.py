@@ -209,8 +209,12 @@ def run(command: Command, argv: Sequence[str]) -> int:
         module = importlib.import_module(command.module)
         program = sys.argv[0]
         sys.argv[0] = f"checkfree {command.name}"  # argparse's prog: usage reads as typed
+        from recovery.cli.help import refusals_as_errors
+
         try:
-            return int(module.main(list(argv)) or 0)
+            return refusals_as_errors(
+                f"checkfree {command.name}", lambda: int(module.main(list(argv)) or 0)
+            )
         finally:
             sys.argv[0] = program
     root = checkout()
