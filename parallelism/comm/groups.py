@@ -280,23 +280,33 @@ class _Waiter:
     """A thread that waits on point-to-point works for a caller that must be able to give
     up (see `StageComm._wait_point_to_point`). One work at a time, in order; a work the
     caller gave up on keeps the thread until Gloo ends it (its connections are cut: soon,
-    or at Gloo's timeout), after which the thread serves the next."""
+    or at Gloo's timeout), after which the thread serves the next, or ends if `retire`d
+    (its comm closed: without that, every generation of every worker left a thread behind,
+    hundreds in a test process that runs thread-group jobs)."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Waitable, threading.Event, list[BaseException]]]
-        self._queue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[
+            tuple[Waitable, threading.Event, list[BaseException]] | None
+        ] = queue.SimpleQueue()
         threading.Thread(target=self._run, name="checkfree-p2p-wait", daemon=True).start()
+
+    def retire(self) -> None:
+        """End the thread once the works handed to it so far are done (idempotent)."""
+        self._queue.put(None)
 
     def _run(self) -> None:
         while True:
-            work, done, error = self._queue.get()
+            item = self._queue.get()
+            if item is None:
+                return
+            work, done, error = item
             try:
                 work.wait()
             except BaseException as exc:  # handed to the caller
                 error.append(exc)
             finally:
                 done.set()
-            del work, done, error
+            del item, work, done, error
 
     def wait(self, work: Waitable, given_up: Callable[[], bool]) -> bool:
         """Wait for ``work`` (raising its error); False once ``given_up()`` says to stop."""

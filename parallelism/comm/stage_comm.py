@@ -277,9 +277,15 @@ class StageComm:
         if work.is_completed():
             work.wait()  # its result, or its error
             return
-        if self._waiter is None:
-            self._waiter = _Waiter()
-        if not self._waiter.wait(work, lambda: self.closed):
+        waiter = self._waiter  # (read once: `close` on another thread takes it)
+        if waiter is None:
+            waiter = self._waiter = _Waiter()
+        try:
+            given_up = not waiter.wait(work, lambda: self.closed)
+        finally:
+            if self.closed:  # (`close` may have run before this waiter existed)
+                waiter.retire()
+        if given_up:
             raise RuntimeError(
                 "Connection closed: this worker's process groups were torn down while it "
                 "waited on a peer"
@@ -465,6 +471,9 @@ class StageComm:
         vote, self._vote = self._vote, None
         if vote is not None:
             vote.shut_down()
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            waiter.retire()
         groups = [g for g in (self._world, self._stage, self._tied, self._side) if g is not None]
         self._pending = []
         self._world = None
