@@ -1,4 +1,5 @@
-"""Shared fixtures: one local Ray for the whole session, test workloads shipped by value."""
+"""Shared fixtures: one local Ray for the whole session, test workloads shipped by value;
+the timeout backstop (tests/backstop.py)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,10 @@ def _takes_ray_down(item: pytest.Item) -> bool:
     return item.get_closest_marker("takes_ray_down") is not None or any(
         name in _TAKE_RAY_DOWN for name in getattr(item, "fixturenames", ())
     )
+
+
+def pytest_configure(config):  # type: ignore[no-untyped-def]
+    config.pluginmanager.import_plugin("tests.backstop")
 
 
 @pytest.hookimpl(tryfirst=True)  # sees every item, before -m/-k deselect some
