@@ -100,3 +100,43 @@ def test_restarting_a_rank_replaces_its_worker(group: WorkerGroup) -> None:
     }
     if isinstance(group, ThreadWorkerGroup):
         assert group.started == 2 and first == group.info(0).pid  # one process, two workers
+
+
+def test_the_frames_of_a_killed_thread_are_read_with_the_collector_held_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`sys._current_frames` can deadlock the process if the garbage collector runs inside
+    it (cpython#106883, before 3.11.9; `thread_group.current_frames`). A thread job with a
+    worker hung mid-pipeline kills that worker's thread in the middle of a call, and its
+    frames are read with the collector off -- and it is on again after."""
+    import gc
+    import sys
+
+    from parallelism import Topology
+    from recovery import Hang, KillPoint, RecoveryPolicy, Timeouts
+    from recovery.groups import thread_group
+    from tests.jobs import drive, make
+    from tests.workloads import mlp_spec
+
+    real, seen = sys._current_frames, []
+
+    def spy():  # type: ignore[no-untyped-def]
+        seen.append(gc.isenabled())
+        return real()
+
+    monkeypatch.setattr(thread_group.sys, "_current_frames", spy)
+    assert gc.isenabled()
+    stuck = Hang(step=2, stage=1, replica=1, at=KillPoint.MID_PIPELINE)
+    policy = RecoveryPolicy(timeouts=Timeouts(hang=1.0))
+    controller, _ = make(mlp_spec(), Topology(2, 2), stuck, policy=policy)
+    drive(controller)
+    (event,) = controller.events
+    assert event.cause == "hung"  # killed in the middle of a call
+    assert seen and not any(seen), seen
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        thread_group.current_frames()
+        assert not gc.isenabled()  # left as it found it
+    finally:
+        gc.enable()

@@ -20,6 +20,7 @@ during a recovery).
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import sys
@@ -88,10 +89,31 @@ def _make_thread_class(worker_cls: type[StageWorker]) -> type[StageWorker]:
     return Threaded
 
 
+def current_frames() -> dict[int, Any]:
+    """`sys._current_frames`, with the garbage collector held off while it runs.
+
+    CPython before 3.11.9 (cpython#106883) collects garbage inside it while holding the
+    runtime's thread-list lock. Collected there, a Gloo work of a killed worker (held by
+    the traceback cycle of the error that ended its call) runs its C++ destructor without
+    the GIL and takes the GIL back to drop a tensor, while the thread that holds the GIL
+    waits for that lock to start or end a thread: the process stops for good, every thread
+    blocked, signals and timers included. Seen here as a test that hung a CI run for the
+    rest of its 90 minutes; py-spy showed exactly that main thread. CPython's own fix
+    holds the collector off the same way.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return sys._current_frames()
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _log_where(rank: int, worker: _Worker) -> None:
     """Log where a worker killed in the middle of a call was (a hang, most often): a
     process would take that with it, a thread can still show it."""
-    frames = sys._current_frames()
+    frames = current_frames()
     for thread in getattr(worker.main, "_threads", ()):
         frame = frames.get(thread.ident or -1)
         stack = traceback.extract_stack(frame) if frame is not None else []
