@@ -170,7 +170,12 @@ def test_a_node_loss_with_no_room_left_fails_after_replace_timeout(cluster) -> N
     assert timeout_s <= took < timeout_s + 20, took
 
 
-@pytest.mark.ray  # (tests/test_grow.py, slow, does the same in a free-running fit)
+# Slow (scripts/test_slow.sh; 36-55 s here, the longest default test it was): the default
+# run holds the same shrink and grow bit for bit in the thread group (test_elastic.py,
+# a node lost and one added), and the Ray node loss here and in test_node_loss.py.
+# tests/test_grow.py (slow too) does it in a free-running fit.
+@pytest.mark.slow
+@pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_a_node_loss_with_no_room_shrinks_and_grows_back_when_a_node_joins(cluster) -> None:  # type: ignore[no-untyped-def]
     """The same full cluster with ``elastic=True``: the job shrinks at once (no wait for
