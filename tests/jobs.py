@@ -34,11 +34,13 @@ def make(
     snapshot_dir: str | None = None,
     slots: int | None = None,
     eval_every: int = 0,
+    device: str | None = None,
 ) -> tuple[Controller, ThreadWorkerGroup]:
     """A started job (generation 0 formed) of ``spec`` on ``top``, set to train ``steps``
     steps with ``faults`` injected, its workers threads spread over ``nodes`` nodes of
     ``slots`` workers each (None: any number; durable snapshots, if the policy takes them,
-    in ``snapshot_dir``), evaluating every ``eval_every`` steps (0: never)."""
+    in ``snapshot_dir``), evaluating every ``eval_every`` steps (0: never), computing on
+    ``device`` (None: the backend's own)."""
     policy = policy or RecoveryPolicy()
     group = ThreadWorkerGroup(
         layout_for(spec, top, policy, 1).worker_cls,
@@ -48,7 +50,9 @@ def make(
     controller = Controller(
         spec,
         top,
-        ControllerConfig(backend="gloo", snapshot_dir=snapshot_dir, eval_every=eval_every),
+        ControllerConfig(
+            backend="gloo", snapshot_dir=snapshot_dir, eval_every=eval_every, device=device
+        ),
         policy=policy,
         failures=FailureSchedule(list(faults)),  # type: ignore[arg-type]
         group=group,

@@ -1,6 +1,6 @@
-"""Two test streams under pytest-xdist (``python -m pytest -n 2``): every Ray test in one test
-process, the rest in the others (tests/conftest.py wires it in; docs/testing.md has the
-times, and why the default run is still one process).
+"""Two test streams under pytest-xdist (``-n 2``, in pyproject's ``addopts``): every Ray test in
+one test process, the rest in the others (tests/conftest.py wires it in; docs/testing.md has
+the times).
 
 The Ray tests share one local Ray per process, some take it down for a cluster of their own
 or `ray stop` every Ray on the machine, and each starts workers that are processes of their

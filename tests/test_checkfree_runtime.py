@@ -140,6 +140,7 @@ def test_checkfree_plus_rebuilds_the_first_stage_from_its_swap_partner() -> None
         assert torch.equal(result.state(2, 0)[key], result.state(3, 0)[key])
 
 
+@pytest.mark.slow  # on threads in the default run: test_exact_everywhere's checkfree-copy
 def test_a_whole_stage_group_lost_in_a_4x2_job_recovers_without_rollback() -> None:
     policy = RecoveryPolicy(
         approximate="checkfree", exact_only=False, snapshots=SnapshotPolicy(peer_every=3)
@@ -157,6 +158,7 @@ def test_a_whole_stage_group_lost_in_a_4x2_job_recovers_without_rollback() -> No
             assert torch.equal(v, result.state(s, 1)[k]), (s, k)
 
 
+@pytest.mark.slow  # the plans: tests/test_planner.py; the rollback on threads: test_controller
 def test_exact_only_or_no_approximation_rolls_back_instead() -> None:
     faults = [Kill(step=6, stage=1, replica=0), Kill(step=6, stage=1, replica=1)]
     for policy in (

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from parallelism import Topology
 from parallelism.comm import host_store
 from parallelism.workloads.clicks import ClickBatch, ClickLogs
 from parallelism.workloads.dlrm import (
@@ -22,12 +23,15 @@ from parallelism.workloads.dlrm import (
     LocalGroup,
     ProcessGroupCollective,
     ShardLayout,
+    dlrm_spec,
     init_table_rows,
     log_loss,
     roc_auc,
     route_lookups,
 )
-from tests.jobs import in_threads
+from recovery import Kill, KillPoint, MirrorPolicy, RecoveryPolicy
+from recovery.reference import differences
+from tests.jobs import drive, in_threads, make
 
 TIMEOUT = datetime.timedelta(seconds=30)
 TINY = DLRMConfig.preset("tiny")
@@ -302,3 +306,33 @@ def test_auc_matches_a_pairwise_count_with_ties() -> None:
     assert log_loss(torch.zeros(4), torch.tensor([0.0, 1.0, 1.0, 0.0])) == pytest.approx(
         0.693147, abs=1e-6
     )
+
+
+# -- shard mirrors through a chain of recoveries, on threads ------------------------------
+
+
+def test_mirrors_stay_exact_through_a_chain_of_recoveries_on_threads() -> None:
+    """After a recovery only the replacement's mirror is re-seeded; every later restore,
+    from any holder (an old one, or a replacement), is still exact: every worker's whole
+    state ends as the failure-free run's. (tests/test_dlrm_runtime.py runs the same chain
+    on Ray, in the slow run.)"""
+    spec = dlrm_spec(preset="tiny", batch_size=16, seed=3)
+    top, steps, policy = Topology(1, 4), 6, RecoveryPolicy(mirrors=MirrorPolicy(every=1))
+    clean, _ = make(spec, top, policy=policy, steps=steps)
+    drive(clean)
+    kills = [
+        Kill(step=2, stage=0, replica=2),
+        Kill(step=3, stage=0, replica=3),  # held by replica 0; its ward is the new 2
+        Kill(step=4, stage=0, replica=2),  # held by the replacement of 3
+        Kill(step=5, stage=0, replica=1, at=KillPoint.DURING_ALLREDUCE),
+    ]
+    controller, _ = make(spec, top, *kills, policy=policy, steps=steps)
+    drive(controller)
+    assert [(e.step, e.lost, e.strategy) for e in controller.events] == [
+        (2, [(0, 2)], "shard_mirror"),
+        (3, [(0, 3)], "shard_mirror"),
+        (4, [(0, 2)], "shard_mirror"),
+        (5, [(0, 1)], "shard_mirror"),
+    ]  # every kill fired where it was meant to
+    found = differences(controller.final_states, clean.final_states, where="states")  # type: ignore[attr-defined]
+    assert not found, found[:10]

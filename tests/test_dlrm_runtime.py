@@ -70,6 +70,7 @@ def test_mirroring_every_step_recovers_bit_exact(at: KillPoint, spares: int) -> 
     assert event.actions[0]["warm"] is bool(spares)
 
 
+@pytest.mark.slow  # on threads in the default run: tests/test_dlrm.py
 def test_mirrors_stay_exact_through_a_chain_of_recoveries() -> None:
     """After a recovery only the replacement's mirror is re-seeded; every later restore,
     from any holder (an old one, or a replacement), is still exact."""

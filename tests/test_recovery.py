@@ -50,7 +50,18 @@ def fit_with(faults: list, policy: RecoveryPolicy | None = None, **kwargs) -> Fi
     ).fit(STEPS)
 
 
-@pytest.mark.parametrize("index, at", list(enumerate(KillPoint)))
+# Each point on threads in the default run (test_controller); here, real processes killed,
+# at the points where a death meets a collective, and the rest in the slow run.
+ON_RAY_BY_DEFAULT = (KillPoint.MID_PIPELINE, KillPoint.DURING_ALLREDUCE, KillPoint.AFTER_COMMIT)
+
+
+@pytest.mark.parametrize(
+    "index, at",
+    [
+        pytest.param(i, at, marks=() if at in ON_RAY_BY_DEFAULT else pytest.mark.slow)
+        for i, at in enumerate(KillPoint)
+    ],
+)
 def test_kill_at_every_point_of_a_step_is_exact(
     uninterrupted: FitResult, index: int, at: KillPoint
 ) -> None:
@@ -119,6 +130,7 @@ def test_hot_spare_replaces_a_dead_worker(uninterrupted: FitResult) -> None:
     assert event.actions[0]["warm"] is True
 
 
+@pytest.mark.slow  # on threads in the default run: tests/test_controller.py
 def test_restart_baseline_reloads_the_checkpoint_and_redoes_lost_steps(
     uninterrupted: FitResult, tmp_path
 ) -> None:  # type: ignore[no-untyped-def]
