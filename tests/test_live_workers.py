@@ -85,7 +85,7 @@ def test_an_abort_that_overtakes_the_join_gives_that_generation_up() -> None:
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="abandoned") as info:
         worker.join(4, nowhere, "127.0.0.1")
-    assert time.monotonic() - started < 1.0 and is_comm_error(info.value)
+    assert time.monotonic() - started < 5.0 and is_comm_error(info.value)  # not the 60 s
     worker.joining, worker.forming = 5, threading.Event()
     worker.abort(generation=4)  # an abort of 4 arriving late, while 5 forms: 5 goes on
     assert not worker.forming.is_set()
