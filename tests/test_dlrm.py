@@ -310,6 +310,15 @@ def test_auc_matches_a_pairwise_count_with_ties() -> None:
 
 # -- shard mirrors through a chain of recoveries, on threads ------------------------------
 
+MIRROR_CHAIN = (
+    Kill(step=2, stage=0, replica=2),
+    Kill(step=3, stage=0, replica=3),  # held by replica 0; its ward is the new 2
+    Kill(step=4, stage=0, replica=2),  # held by the replacement of 3
+    Kill(step=5, stage=0, replica=1, at=KillPoint.DURING_ALLREDUCE),
+)
+"""Kills of a 1x4 DLRM job whose restores come from every kind of holder (also run on Ray:
+tests/test_dlrm_runtime.py)."""
+
 
 def test_mirrors_stay_exact_through_a_chain_of_recoveries_on_threads() -> None:
     """After a recovery only the replacement's mirror is re-seeded; every later restore,
@@ -320,13 +329,7 @@ def test_mirrors_stay_exact_through_a_chain_of_recoveries_on_threads() -> None:
     top, steps, policy = Topology(1, 4), 6, RecoveryPolicy(mirrors=MirrorPolicy(every=1))
     clean, _ = make(spec, top, policy=policy, steps=steps)
     drive(clean)
-    kills = [
-        Kill(step=2, stage=0, replica=2),
-        Kill(step=3, stage=0, replica=3),  # held by replica 0; its ward is the new 2
-        Kill(step=4, stage=0, replica=2),  # held by the replacement of 3
-        Kill(step=5, stage=0, replica=1, at=KillPoint.DURING_ALLREDUCE),
-    ]
-    controller, _ = make(spec, top, *kills, policy=policy, steps=steps)
+    controller, _ = make(spec, top, *MIRROR_CHAIN, policy=policy, steps=steps)
     drive(controller)
     assert [(e.step, e.lost, e.strategy) for e in controller.events] == [
         (2, [(0, 2)], "shard_mirror"),

@@ -17,6 +17,7 @@ from parallelism.workloads.dlrm import dlrm_spec
 from recovery import FitResult, MirrorPolicy, RecoveryPolicy, SnapshotPolicy, Trainer, TrainSpec
 from recovery.errors import RedundancyExhausted
 from recovery.faults import FailureSchedule, Kill, KillPoint
+from tests.test_dlrm import MIRROR_CHAIN
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_local")]
 
@@ -74,13 +75,7 @@ def test_mirroring_every_step_recovers_bit_exact(at: KillPoint, spares: int) -> 
 def test_mirrors_stay_exact_through_a_chain_of_recoveries() -> None:
     """After a recovery only the replacement's mirror is re-seeded; every later restore,
     from any holder (an old one, or a replacement), is still exact."""
-    kills = [
-        Kill(step=2, stage=0, replica=2),
-        Kill(step=3, stage=0, replica=3),  # held by replica 0; its ward is the new 2
-        Kill(step=4, stage=0, replica=2),  # held by the replacement of 3
-        Kill(step=5, stage=0, replica=1, at=KillPoint.DURING_ALLREDUCE),
-    ]
-    result = fit(EVERY_STEP, *kills)
+    result = fit(EVERY_STEP, *MIRROR_CHAIN)
     expected = oracle(STEPS)
     assert [e.strategy for e in result.events] == ["shard_mirror"] * 4
     for r in range(TOPOLOGY.replicas):

@@ -30,7 +30,8 @@ tests under ``-n 2``, when this was 0.6 s against 0.35 s actions) is still no ha
 
 class Slow(nn.Module):
     """A stage whose every forward takes 0.5 s: a step of 4 microbatches over 2 stages
-    takes ~3 s (twice the long-step test's hang timeout) while each action stays under it."""
+    takes several times the long-step test's hang timeout (the test checks over 1.5 times)
+    while each action stays under it."""
 
     def __init__(self) -> None:
         super().__init__()
