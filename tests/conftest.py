@@ -37,11 +37,11 @@ def ray_local():
     yield
 
 
-_TAKE_RAY_DOWN = ("cluster", "full_cluster")
-"""Fixtures that shut the session's Ray down (a multi-node `ray.cluster_utils.Cluster` in
-its place, torn down after)."""
+_CLUSTERS = ("cluster", "full_cluster")
+"""Fixtures that connect the test process to a multi-node `ray.cluster_utils.Cluster` of
+their own (shutting down the session's Ray if it was connected), torn down after."""
 
-_USE_RAY = ("ray_local", *_TAKE_RAY_DOWN)
+_USE_RAY = ("ray_local", *_CLUSTERS)
 """Fixtures that connect the test process to Ray."""
 
 
@@ -51,9 +51,11 @@ def _uses_ray(item: pytest.Item) -> bool:
     )
 
 
-def _takes_ray_down(item: pytest.Item) -> bool:
-    return item.get_closest_marker("takes_ray_down") is not None or any(
-        name in _TAKE_RAY_DOWN for name in getattr(item, "fixturenames", ())
+def _own_ray(item: pytest.Item) -> bool:
+    """Runs a Ray of its own (a cluster, a `ray start` head, a driver subprocess that starts
+    one) and never uses the session's."""
+    return item.get_closest_marker("own_ray") is not None or any(
+        name in _CLUSTERS for name in getattr(item, "fixturenames", ())
     )
 
 
@@ -63,17 +65,22 @@ def pytest_configure(config):  # type: ignore[no-untyped-def]
 
 @pytest.hookimpl(tryfirst=True)  # sees every item, before -m/-k deselect some
 def pytest_collection_modifyitems(session, config, items):  # type: ignore[no-untyped-def]
-    """The Ray tests (marked ``ray`` or using a Ray fixture) first, the ones that take the
-    session's local Ray down (a cluster of their own, `ray stop`) last among them: every
-    Ray test after one starts Ray and its workers again (10-20 s on 2 cores). Under xdist
-    they are one stream, in this order, in one process (tests/streams.py)."""
+    """The Ray tests (marked ``ray`` or using a Ray fixture) first, the ones with a Ray of
+    their own last among them: a cluster takes the session's local Ray down, and every Ray
+    test after it would start Ray and its workers again (10-20 s on 2 cores). Under xdist
+    the two are streams of their own, in this order, each in one process
+    (tests/streams.py)."""
     ray_tests = [item for item in items if _uses_ray(item)]
     chosen = set(map(id, ray_tests))
-    ray_tests.sort(key=_takes_ray_down)  # stable: otherwise in collection order
+    ray_tests.sort(key=_own_ray)  # stable: otherwise in collection order
     items[:] = ray_tests + [item for item in items if id(item) not in chosen]
     path = getattr(config, "workerinput", {}).get(RAY_TESTS_KEY)
     if path is not None:
-        write_ray_tests(Path(path), [item.nodeid for item in ray_tests])
+        write_ray_tests(
+            Path(path),
+            session=[item.nodeid for item in ray_tests if not _own_ray(item)],
+            own=[item.nodeid for item in ray_tests if _own_ray(item)],
+        )
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -84,7 +91,7 @@ def pytest_configure_node(node):  # type: ignore[no-untyped-def]
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):  # type: ignore[no-untyped-def]
-    """The Ray tests in one process, the others spread over the rest (tests/streams.py)."""
+    """The two Ray streams in a process each, the others spread over all (tests/streams.py)."""
     from tests.streams import RayStream
 
     return RayStream(config, log, _ray_tests_file(config))
@@ -101,7 +108,7 @@ _RAY_TESTS = pytest.StashKey[Path]()
 
 def pytest_runtest_setup(item):  # type: ignore[no-untyped-def]
     workerinput = getattr(item.config, "workerinput", {})
-    if RAY_TESTS_KEY in workerinput and _uses_ray(item):
+    if RAY_TESTS_KEY in workerinput and _uses_ray(item) and not _own_ray(item):
         record_ray_test(Path(workerinput[RAY_TESTS_KEY]), workerinput["workerid"])
 
 

@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -198,26 +199,27 @@ def test_train_script_dlrm_recovers_a_shard_partially(
 
 
 @pytest.mark.ray
-@pytest.mark.takes_ray_down
+@pytest.mark.own_ray
 @pytest.mark.timeout(600)
 def test_ray_job_submit_of_the_train_script(tmp_path: Path) -> None:
-    """`ray start --head` on 127.0.0.1, `ray job submit` of scripts/train.py, `ray stop`."""
-    import ray
+    """`ray start --head` on 127.0.0.1, `ray job submit` of scripts/train.py, the head stopped.
 
-    from recovery.groups.pool import POOL
-
-    if ray.is_initialized():  # `ray stop` would take the session's embedded Ray down anyway
-        POOL.clear()
-        ray.shutdown()
+    The head runs with ``--block`` and is stopped by a signal, which stops what it started
+    and nothing else: `ray stop` would end every Ray on the machine, the session's of the
+    test process beside this one included."""
     ray_bin = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
     # Auth off so a stale ~/.ray/auth_token cannot matter; cluster mode off keeps Ray on loopback.
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_ADDRESS", None)
-    gcs, dash = _free_port(), _free_port()
-    start = [ray_bin, "start", "--head", "--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1",
-             "--port", str(gcs), "--dashboard-port", str(dash), "--disable-usage-stats"]  # fmt: skip
-    subprocess.run(start, env=env, check=True, capture_output=True, timeout=120)
+    gcs, dash, agent = _free_port(), _free_port(), _free_port()
+    start = [ray_bin, "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+             "--dashboard-host", "127.0.0.1", "--port", str(gcs), "--dashboard-port", str(dash),
+             "--dashboard-agent-listen-port", str(agent), "--disable-usage-stats"]  # fmt: skip
+    log = tmp_path / "head.log"
+    with log.open("wb") as sink:
+        head = subprocess.Popen(start, env=env, stdout=sink, stderr=subprocess.STDOUT)
     try:
+        _wait_for_dashboard(dash, head, log)
         out = tmp_path / "job"
         submit = [ray_bin, "job", "submit", "--address", f"http://127.0.0.1:{dash}", "--working-dir",
                   str(ROOT), "--", "python", "scripts/train.py", *TINY, "--out", str(out)]  # fmt: skip
@@ -226,4 +228,29 @@ def test_ray_job_submit_of_the_train_script(tmp_path: Path) -> None:
         assert "succeeded" in job.stdout + job.stderr
         _check_run(out)
     finally:
-        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        head.terminate()
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait(timeout=60)
+
+
+def _wait_for_dashboard(
+    port: int, head: subprocess.Popen[bytes], log: Path, within_s: float = 120
+) -> None:
+    """Wait until the head's dashboard answers (jobs are submitted through it)."""
+    import urllib.request
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if head.poll() is not None:
+            raise AssertionError(
+                f"`ray start --head` exited with {head.returncode}: {log.read_text()[-3000:]}"
+            )
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/version", timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.3)
+    raise AssertionError(f"the dashboard on port {port} did not answer within {within_s:g} s")

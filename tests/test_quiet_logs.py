@@ -40,6 +40,7 @@ def test_rays_death_paragraph_is_left_out_only_for_expected_deaths(
 
 
 @pytest.mark.ray
+@pytest.mark.own_ray  # the subprocess starts a Ray of its own
 @pytest.mark.timeout(240)
 def test_a_run_with_an_injected_kill_prints_no_ray_paragraph_and_no_auth_warning(
     tmp_path: Path,
