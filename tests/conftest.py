@@ -37,6 +37,22 @@ def ray_local():
     yield
 
 
+@pytest.fixture
+def empty_pool():
+    """The driver's worker pool empty for the test, so its workers start fresh; the workers
+    parked by earlier tests are set aside and put back after, so the tests that follow
+    take them instead of starting processes again (about 4 CPU-seconds each)."""
+    from recovery.groups.pool import POOL
+
+    POOL._check_session()
+    aside, POOL._idle = POOL._idle, {}
+    yield POOL
+    POOL._check_session()  # a Ray restarted meanwhile: the set-aside actors are gone
+    if POOL._session is not None:
+        for key, actors in aside.items():
+            POOL._idle.setdefault(key, []).extend(actors)
+
+
 _CLUSTERS = ("cluster", "full_cluster")
 """Fixtures that connect the test process to a multi-node `ray.cluster_utils.Cluster` of
 their own (shutting down the session's Ray if it was connected), torn down after."""

@@ -101,7 +101,7 @@ def _step_thread_faults(
 
 
 @pytest.mark.ray
-@pytest.mark.usefixtures("ray_local")
+@pytest.mark.usefixtures("ray_local", "empty_pool")  # parked workers keep how they started
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_ray_workers_steady_steps_fault_in_almost_no_fresh_pages() -> None:
     """A Ray actor runs its calls on a thread of its own, whose arena's heaps glibc gave
@@ -110,9 +110,6 @@ def test_a_ray_workers_steady_steps_fault_in_almost_no_fresh_pages() -> None:
     the pad; with it 0.05-0.08 in workers holding their heap in huge pages (the job's
     own, started ahead: [Note: huge pages for a worker's heap]), 0.07-12 in workers
     without them."""
-    from recovery.groups.pool import POOL
-
-    POOL.clear()  # workers parked by earlier tests keep what they were started with
     spec = mlp_spec(build_stage=_wide_stage, batches=_wide_batches, microbatches=1)
     trainer = Trainer(
         spec,
@@ -209,16 +206,14 @@ def _environ(pid: int) -> dict[str, str]:
 
 
 @pytest.mark.ray
-@pytest.mark.usefixtures("ray_local")
+@pytest.mark.usefixtures("ray_local", "empty_pool")  # parked workers keep how they started
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_workers_started_ahead_get_the_tunable_and_a_recoverys_replacement_does_not() -> None:
     """Huge pages fault in fresh more slowly than small ones on some hosts, so a worker
     started on a recovery's critical path keeps malloc's default."""
-    from recovery.groups.pool import POOL
     from recovery.groups.ray_group import RayWorkerGroup
     from tests.workloads import EchoWorker
 
-    POOL.clear()  # workers parked by earlier tests keep what they were started with
     group = RayWorkerGroup(EchoWorker)
     node = group.nodes()[0]
     try:
