@@ -45,10 +45,10 @@ def empty_pool():
     from recovery.groups.pool import POOL
 
     POOL._check_session()
-    aside, POOL._idle = POOL._idle, {}
+    session, aside, POOL._idle = POOL._session, POOL._idle, {}
     yield POOL
-    POOL._check_session()  # a Ray restarted meanwhile: the set-aside actors are gone
-    if POOL._session is not None:
+    POOL._check_session()
+    if POOL._session == session:  # else Ray restarted meanwhile: the set-aside actors are gone
         for key, actors in aside.items():
             POOL._idle.setdefault(key, []).extend(actors)
 
